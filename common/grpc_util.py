@@ -1,0 +1,141 @@
+"""What every gRPC server and channel of handoff shares: limits, the error interceptor, health.
+
+Servicer methods stay thin: they raise `ServiceError` (or a domain ValueError) and the
+one interceptor here turns it into a gRPC status, for every RPC of the server.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Deliberate message limits: a KV chunk is ~1 MiB; public requests are prompts, far smaller.
+MAX_INTERNAL_MESSAGE_BYTES = 8 << 20
+MAX_PUBLIC_MESSAGE_BYTES = 4 << 20
+
+KEEPALIVE_OPTIONS = [
+    # A peer that dies without closing its socket is noticed within seconds, not minutes.
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+]
+
+
+class ServiceError(Exception):
+    """A failure with the gRPC status it should reach the caller as."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _abort_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        # A downstream call failed: keep its code, say where it came from.
+        return exc.code(), f"downstream call failed: {exc.details()}"
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Turns any exception a handler raises into a gRPC status with a readable message."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def guard_unary(behavior):
+            def wrapped(request, context):
+                try:
+                    return behavior(request, context)
+                except Exception as exc:
+                    _abort(context, method, exc)
+            return wrapped
+
+        def guard_stream(behavior):
+            def wrapped(request, context):
+                try:
+                    yield from behavior(request, context)
+                except Exception as exc:
+                    _abort(context, method, exc)
+            return wrapped
+
+        if handler.unary_unary:
+            return handler._replace(unary_unary=guard_unary(handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=guard_stream(handler.unary_stream))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=guard_unary(handler.stream_unary))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=guard_stream(handler.stream_stream))
+        return handler
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+    code, message = _abort_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    else:
+        log.info("%s: %s: %s", method, code.name, message)
+    context.abort(code, message)
+
+
+def make_server(max_workers: int, *, max_message_bytes: int) -> grpc.Server:
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[ErrorInterceptor()],
+        options=[("grpc.max_receive_message_length", max_message_bytes),
+                 ("grpc.max_send_message_length", max_message_bytes),
+                 ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS],
+    )
+
+
+def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
+    """Standard grpc.health.v1 (NOT_SERVING until the caller says ready) and server reflection."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    return health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        health_servicer.set(name, status)
+
+
+def bind(server: grpc.Server, host: str, port: int) -> int:
+    """Bind an insecure port; port 0 picks a free one. Returns the bound port or raises clearly."""
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {address}; is another process using the port?")
+    return bound
+
+
+def channel(address: str, *, max_message_bytes: int = MAX_INTERNAL_MESSAGE_BYTES) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *KEEPALIVE_OPTIONS])

@@ -1,0 +1,210 @@
+"""A Llama-family decoder in plain PyTorch, reading and writing K/V through the paged cache.
+
+The forward takes flattened tokens of many sequences, `(input_ids, positions)`,
+plus one small `AttnContext` that says how they group into sequences; prefill and
+decode are two entry points of the same weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.config import ModelConfig
+
+
+@dataclass
+class AttnContext:
+    """Per-batch attention metadata, built once per step by the runner."""
+
+    slot_mapping: torch.Tensor  # [N] flat KV slot of every input token
+    # prefill: tokens of each sequence are contiguous; attention is causal within one.
+    prefill_lens: list[int] | None = None
+    # decode: one token per sequence, attending to its whole context through its block table.
+    context_slots: torch.Tensor | None = None  # [B * S] KV slots of each sequence's context, padded to S
+    attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend; None when nothing is padding
+    use_int4: bool = False  # small decode batches read packed 4-bit weights: a quarter of the bytes
+
+
+def rope_tables(config: ModelConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in HF's rotate_half layout, computed in fp32."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    t = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+class Int4Linear:
+    """A weight packed for torch's CPU int4 kernel: 4-bit codes, bf16 scales and zeros per 32 inputs."""
+
+    def __init__(self, parts: list, device):
+        codes = torch.from_numpy(np.concatenate([p.codes for p in parts])).to(torch.int32)
+        scales = torch.from_numpy(np.concatenate([p.scales for p in parts]))
+        zeros = torch.from_numpy(np.concatenate([p.zeros for p in parts]))
+        self.group = parts[0].GROUP
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(device), 2)
+        # [in / group, out, 2]: the layout the kernel wants.
+        self.scales_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(
+            device=device, dtype=torch.bfloat16)
+        self.nbytes = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+
+
+class Llama(torch.nn.Module):
+    """Weights held as fused matrices (wqkv, w13) so a layer is few, large ops."""
+
+    REFINE_TOP = 64  # logits recomputed in fp32 when the model runs in a 16-bit dtype
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 int4: dict | None = None):
+        super().__init__()
+        self.config = c = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # The int4 kernel runs on the CPU with bf16 activations; GGUF Q4 files give exact codes.
+        self.has_int4 = bool(int4) and dtype == torch.bfloat16 and self.device.type == "cpu"
+
+        def w(name: str) -> torch.Tensor:
+            return tensors[name].to(device=device, dtype=dtype).contiguous()
+
+        def w32(name: str) -> torch.Tensor:
+            return tensors[name].to(device=device, dtype=torch.float32).contiguous()
+
+        def w4(*names: str) -> Int4Linear | None:
+            if not self.has_int4 or any(n not in int4 for n in names):
+                return None
+            return Int4Linear([int4[n] for n in names], device)
+
+        self.embed = w("model.embed_tokens.weight")  # [V, dim]
+        self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
+        head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
+        self.lm_head_fp32 = None if dtype == torch.float32 else w32(head)
+        self.final_norm = w32("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(dict(
+                attn_norm=w32(p + "input_layernorm.weight"),
+                wqkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                w(p + "self_attn.v_proj.weight")]),  # [(H + 2 Hkv) * D, dim]
+                wo=w(p + "self_attn.o_proj.weight"),
+                mlp_norm=w32(p + "post_attention_layernorm.weight"),
+                w13=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),  # [2 F, dim]
+                w2=w(p + "mlp.down_proj.weight"),
+                wqkv4=w4(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                         p + "self_attn.v_proj.weight"),
+                wo4=w4(p + "self_attn.o_proj.weight"),
+                w134=w4(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                w24=w4(p + "mlp.down_proj.weight"),
+            ))
+        cos, sin = rope_tables(c, c.max_position, device)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    def weight_bytes(self) -> int:
+        ts = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        ts += [t for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def decode_weight_bytes(self, use_int4: bool) -> int:
+        """Bytes of weights one decode step reads (the embedding row gather aside)."""
+        total = self.lm_head.numel() * self.lm_head.element_size()
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "w13", "w2"):
+                packed = layer[name + "4"] if use_int4 else None
+                total += packed.nbytes if packed is not None else layer[name].numel() * layer[name].element_size()
+        return total
+
+    @staticmethod
+    def _linear(x: torch.Tensor, layer: dict, name: str, use_int4: bool) -> torch.Tensor:
+        packed = layer[name + "4"]
+        if use_int4 and packed is not None:
+            return packed(x)
+        return F.linear(x, layer[name])
+
+    def _rms_norm(self, x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
+        # x is the fp32 residual stream: it carries outliers (~2.5e4 in SmolLM2) next to which a
+        # bf16 stream and norm lose the small channels, enough to change greedy tokens.
+        return F.rms_norm(x, (x.shape[-1],), weight_fp32, self.config.rms_norm_eps).to(self.dtype)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [N, heads, D]; cos/sin: [N, 1, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext,
+                kv: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [N]; kv: [layers, 2, slots, Hkv, D]. Returns hidden states [N, dim]."""
+        c = self.config
+        n = input_ids.shape[0]
+        # The residual stream stays fp32 (adds promote for free); only matmul inputs are 16-bit.
+        h = self.embed.index_select(0, input_ids).float()  # [N, dim]
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer["attn_norm"])
+            qkv = self._linear(x, layer, "wqkv", ctx.use_int4)
+            q = qkv[:, :self.q_size].view(n, c.num_heads, c.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, c.num_kv_heads, c.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(n, c.num_kv_heads, c.head_dim)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            k_cache, v_cache = kv[i, 0], kv[i, 1]  # [slots, Hkv, D]
+            k_cache.index_copy_(0, ctx.slot_mapping, k)
+            v_cache.index_copy_(0, ctx.slot_mapping, v)
+            if ctx.prefill_lens is not None:
+                o = self._prefill_attention(q, k, v, ctx.prefill_lens)
+            else:
+                o = self._decode_attention(q, k_cache, v_cache, ctx)
+            h = h + self._linear(o.reshape(n, self.q_size), layer, "wo", ctx.use_int4)
+            x = self._rms_norm(h, layer["mlp_norm"])
+            gate, up = self._linear(x, layer, "w13", ctx.use_int4).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, layer, "w2", ctx.use_int4)
+        # Kept in fp32: logits() refines the top candidates in full precision.
+        return F.rms_norm(h.float(), (c.hidden_size,), self.final_norm, c.rms_norm_eps)
+
+    def _prefill_attention(self, q, k, v, lens: list[int]) -> torch.Tensor:
+        # Each prompt attends causally to itself only; a prompt's own K/V is at hand.
+        outs, start = [], 0
+        for length in lens:
+            end = start + length
+            qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+            ks = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
+            vs = v[start:end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1))  # [T, H, D]
+            start = end
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode_attention(self, q, k_cache, v_cache, ctx: AttnContext) -> torch.Tensor:
+        c = self.config
+        bsz = q.shape[0]
+        # One contiguous gather of every sequence's context: [B, Hkv, S, D].
+        kb = k_cache.index_select(0, ctx.context_slots).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        vb = v_cache.index_select(0, ctx.context_slots).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=ctx.attn_mask, enable_gqa=True)
+        return o.squeeze(2)  # [B, H, D]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 hidden states [B, dim] → fp32 logits [B, V].
+
+        In bf16 the logits come out rounded to 1/8 near 25, so near-ties among the best tokens
+        would be decided by rounding (SmolLM2 ties "The" and "L" on a plain question). The
+        REFINE_TOP best are recomputed exactly from fp32 weights: cheap, and greedy is then exact.
+        """
+        logits = F.linear(hidden.to(self.dtype), self.lm_head).float()
+        if self.lm_head_fp32 is None:
+            return logits
+        idx = logits.topk(self.REFINE_TOP, dim=-1).indices  # [B, K]
+        exact = torch.bmm(self.lm_head_fp32[idx], hidden.unsqueeze(-1)).squeeze(-1)  # [B, K]
+        return logits.scatter_(1, idx, exact)

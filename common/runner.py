@@ -1,0 +1,103 @@
+"""ModelRunner: turns a batch of sequences into model inputs over the paged cache, and back into logits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.kv_cache import KVCache
+from common.model import AttnContext, Llama
+from common.weights import load_weights
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of fp32, bf16, fp16; got {name!r}") from None
+
+
+@dataclass
+class PrefillItem:
+    seq_id: str
+    token_ids: list[int]  # the tokens to run (the whole prompt)
+
+
+@dataclass
+class DecodeItem:
+    seq_id: str
+    token_id: int  # newest token, whose K/V is written at `position`
+    position: int
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; callers own allocation through `cache.pool`."""
+
+    def __init__(self, model: Llama, cache: KVCache, int4_max_batch: int = 4):
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        # Up to this many sequences a decode step is memory-bound: packed 4-bit weights win.
+        # Beyond it, bf16 matmuls (AMX on recent Xeons) are faster.
+        self.int4_max_batch = int4_max_batch
+        self._offsets = torch.arange(max(model.config.max_position, cache.block_size), device=self.device)
+
+    @classmethod
+    def load(cls, model_name: str | Path, *, dtype: str = "bf16", num_blocks: int,
+             block_size: int = 16, device: str = "cpu", progress: bool = True,
+             int4_max_batch: int = 4) -> "ModelRunner":
+        weights = load_weights(model_name, progress=progress)
+        torch_dtype = parse_dtype(dtype)
+        model = Llama(weights.config, weights.tensors, dtype=torch_dtype, device=device,
+                      int4=weights.int4 if int4_max_batch > 0 else None)
+        model.weights_id = weights.weights_id
+        cache = KVCache(weights.config, num_blocks, block_size, torch_dtype, device)
+        return cls(model, cache, int4_max_batch)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
+        """Run whole prompts (blocks already allocated); returns last-position logits [B, V] fp32."""
+        ids, positions, slots, lens = [], [], [], []
+        for it in items:
+            n = len(it.token_ids)
+            ids.extend(it.token_ids)
+            positions.extend(range(n))
+            slots.extend(self.cache.slots(self.cache.pool.block_table(it.seq_id), 0, n))
+            lens.append(n)
+        ctx = AttnContext(slot_mapping=self._tensor(slots), prefill_lens=lens)
+        hidden = self.model(self._tensor(ids), self._tensor(positions), ctx, self.cache.kv)
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        return self.model.logits(hidden.index_select(0, last))
+
+    def decode(self, items: list[DecodeItem]) -> torch.Tensor:
+        """One token per sequence (blocks already grown to hold `position`); returns logits [B, V]."""
+        bs = self.cache.block_size
+        pool = self.cache.pool
+        tables = [pool.block_table(it.seq_id) for it in items]
+        ctx_lens = [it.position + 1 for it in items]
+        span = max(ctx_lens)
+        max_blocks = -(-span // bs)
+        bt = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
+        # Slots of positions 0..span-1 of every sequence; padding past a sequence's length is masked.
+        context_slots = (bt[:, :, None] * bs + self._offsets[:bs]).view(len(items), -1)[:, :span]
+        mask = None
+        if min(ctx_lens) != span:
+            lens = self._tensor(ctx_lens)
+            mask = (self._offsets[:span][None, :] < lens[:, None])[:, None, None, :]
+        slots = [t[it.position // bs] * bs + it.position % bs for t, it in zip(tables, items)]
+        ctx = AttnContext(
+            slot_mapping=self._tensor(slots),
+            context_slots=context_slots.reshape(-1),
+            attn_mask=mask,
+            use_int4=self.model.has_int4 and len(items) <= self.int4_max_batch,
+        )
+        hidden = self.model(self._tensor([it.token_id for it in items]),
+                            self._tensor([it.position for it in items]), ctx, self.cache.kv)
+        return self.model.logits(hidden)

@@ -1,0 +1,453 @@
+"""The cluster's shared state in Redis: the worker registry, KV-block leases and request records.
+
+Every update that must not race is one Lua script, and every script takes its time from
+Redis TIME, so all processes judge leases and expiries by one clock. Scripts name keys from
+the prefix, so the store needs a single (non-cluster) Redis.
+
+Keys, under the prefix:
+    workers                 ZSET worker_id -> registration expiry (ms, Redis clock)
+    worker:<id>             HASH of WorkerInfo fields, expiring with the registration
+    leases:<id>             ZSET request_id -> lease expiry (ms)
+    lease_blocks:<id>       HASH request_id -> "<num_blocks>:<worker epoch>"
+    request:<id>            HASH state, history, t_<state>, counts, workers, error
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, fields
+from enum import StrEnum
+
+import redis
+
+
+class StateUnavailable(RuntimeError):
+    """Redis could not be reached (down, restarting, timed out, refused our password)."""
+
+
+class RequestState(StrEnum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.FAILED, RequestState.CANCELLED})
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # host:port of the worker's main gRPC service
+    kv_address: str  # decode only: host:port of its KV-transfer service; "" for prefill
+    epoch: str  # new at every process start
+    model_id: str  # fingerprint of the loaded weights
+    total_blocks: int
+    free_blocks: int
+    num_running: int
+    num_waiting: int
+    started_at: float  # unix seconds
+    block_size: int = 16  # tokens per KV block: reservations are counted in these
+    # Decode only, computed on read as total_blocks minus the live leases; never written.
+    available_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"worker role must be 'prefill' or 'decode', got {self.role!r}")
+        if not self.worker_id or not self.epoch:
+            raise ValueError("worker_id and epoch must be non-empty")
+
+
+_WORKER_FIELDS = [f.name for f in fields(WorkerInfo) if f.name != "available_blocks"]
+_WORKER_INT_FIELDS = {"total_blocks", "free_blocks", "num_running", "num_waiting", "available_blocks",
+                      "block_size"}
+
+
+def _worker_from_flat(flat: list[str]) -> WorkerInfo:
+    raw = dict(zip(flat[::2], flat[1::2]))
+    values = {}
+    for name in _WORKER_FIELDS + ["available_blocks"]:
+        if name not in raw:
+            continue
+        value = raw[name]
+        values[name] = int(value) if name in _WORKER_INT_FIELDS else float(value) if name == "started_at" else value
+    return WorkerInfo(**values)
+
+
+class ReserveReason(StrEnum):
+    OK = "ok"
+    NO_CAPACITY = "no_capacity"
+    WORKER_GONE = "worker_gone"  # not registered (never, expired, or deregistered)
+    EPOCH_MISMATCH = "epoch_mismatch"  # the worker restarted since the caller looked
+    NOT_DECODE = "not_decode"
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    ok: bool
+    reason: ReserveReason
+    available_blocks: int  # left after this lease when ok, else what was free to take
+    expires_at: float  # unix seconds by the Redis clock; 0.0 when not ok
+
+
+# --- Lua -------------------------------------------------------------------------------------
+
+_LUA_PRELUDE = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Drops leases that expired or were made on an earlier epoch of the worker (whose KV pool
+-- died with that process); returns the blocks the remaining leases hold.
+local function held_blocks(leases, blocks, epoch, now)
+  for _, rid in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now)) do
+    redis.call('ZREM', leases, rid)
+    redis.call('HDEL', blocks, rid)
+  end
+  local held = 0
+  local all = redis.call('HGETALL', blocks)
+  for i = 1, #all, 2 do
+    local n, lease_epoch = string.match(all[i + 1], '^(%d+):(.*)$')
+    if epoch and lease_epoch ~= epoch then
+      redis.call('ZREM', leases, all[i])
+      redis.call('HDEL', blocks, all[i])
+    else
+      held = held + tonumber(n)
+    end
+  end
+  return held
+end
+
+-- Lease keys live as long as their last lease, so a vanished worker leaves nothing behind.
+local function expire_with_last_lease(leases, blocks)
+  local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
+  if last[2] then
+    local at = string.format('%d', tonumber(last[2]))
+    redis.call('PEXPIREAT', leases, at)
+    redis.call('PEXPIREAT', blocks, at)
+  end
+end
+"""
+
+# KEYS: workers index, worker hash. ARGV: worker_id, ttl_ms, field/value pairs.
+_HEARTBEAT = _LUA_PRELUDE + """
+local ttl_ms = tonumber(ARGV[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[2], ttl_ms)
+redis.call('ZADD', KEYS[1], now_ms() + ttl_ms, ARGV[1])
+return 1
+"""
+
+# KEYS: workers index, worker hash, leases, lease_blocks. ARGV: worker_id, epoch.
+_DEREGISTER = """
+if redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+# ARGV: prefix, role ('' = any), then worker ids ('' ids = every registered worker).
+# Returns one flat field/value list per live worker, decode workers with available_blocks.
+_LIST_WORKERS = _LUA_PRELUDE + """
+local prefix, role = ARGV[1], ARGV[2]
+local index = prefix .. 'workers'
+local now = now_ms()
+local ids = {unpack(ARGV, 3)}
+if #ids == 0 then
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', now)
+  ids = redis.call('ZRANGE', index, 0, -1)
+end
+local out = {}
+for _, id in ipairs(ids) do
+  local info = redis.call('HGETALL', prefix .. 'worker:' .. id)
+  if #info == 0 then
+    redis.call('ZREM', index, id)
+  else
+    local w = {}
+    for i = 1, #info, 2 do w[info[i]] = info[i + 1] end
+    if role == '' or w.role == role then
+      if w.role == 'decode' then
+        local held = held_blocks(prefix .. 'leases:' .. id, prefix .. 'lease_blocks:' .. id, w.epoch, now)
+        info[#info + 1] = 'available_blocks'
+        info[#info + 1] = tonumber(w.total_blocks) - held
+      end
+      out[#out + 1] = info
+    end
+  end
+end
+return out
+"""
+
+# KEYS: worker hash, leases, lease_blocks. ARGV: epoch, request_id, num_blocks, ttl_ms.
+# Returns {ok, reason, available_blocks, expires_at_ms}. Re-reserving the same request
+# replaces its lease (only if the new one fits), so a retried call cannot hold blocks twice.
+_RESERVE = _LUA_PRELUDE + """
+local epoch, rid, num_blocks = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local now = now_ms()
+local w = redis.call('HMGET', KEYS[1], 'epoch', 'role', 'total_blocks')
+if not w[1] then return {0, 'worker_gone', 0, 0} end
+if w[1] ~= epoch then return {0, 'epoch_mismatch', 0, 0} end
+if w[2] ~= 'decode' then return {0, 'not_decode', 0, 0} end
+local held = held_blocks(KEYS[2], KEYS[3], epoch, now)
+local mine = redis.call('HGET', KEYS[3], rid)
+if mine then held = held - tonumber(string.match(mine, '^(%d+):')) end
+local available = tonumber(w[3]) - held
+if available < num_blocks then return {0, 'no_capacity', available, 0} end
+local expires_at = now + tonumber(ARGV[4])
+redis.call('ZADD', KEYS[2], expires_at, rid)
+redis.call('HSET', KEYS[3], rid, num_blocks .. ':' .. epoch)
+expire_with_last_lease(KEYS[2], KEYS[3])
+return {1, 'ok', available - num_blocks, expires_at}
+"""
+
+# KEYS: worker hash, leases, lease_blocks. ARGV: request_id, ttl_ms. An expired lease
+# is not revived: its blocks may already be promised to someone else.
+_RENEW = _LUA_PRELUDE + """
+local now = now_ms()
+held_blocks(KEYS[2], KEYS[3], redis.call('HGET', KEYS[1], 'epoch'), now)
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+expire_with_last_lease(KEYS[2], KEYS[3])
+return 1
+"""
+
+# KEYS: worker hash, leases, lease_blocks. Returns {total_blocks or -1, request/blocks pairs...}.
+_LIVE_LEASES = _LUA_PRELUDE + """
+local w = redis.call('HMGET', KEYS[1], 'epoch', 'total_blocks')
+held_blocks(KEYS[2], KEYS[3], w[1], now_ms())
+local out = {tonumber(w[2] or -1)}
+local all = redis.call('HGETALL', KEYS[3])
+for i = 1, #all, 2 do
+  out[#out + 1] = all[i]
+  out[#out + 1] = string.match(all[i + 1], '^(%d+):')
+end
+return out
+"""
+
+_LUA_NOW_STR = """
+local function now_str()
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+end
+"""
+
+# KEYS: request hash. ARGV: ttl_ms, field/value pairs. History is kept as a JSON string
+# built here, because cjson would round timestamps to 14 significant digits.
+_CREATE_REQUEST = _LUA_NOW_STR + f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local ts = now_str()
+redis.call('HSET', KEYS[1], 'state', '{RequestState.QUEUED}', 'history', '[["{RequestState.QUEUED}",' .. ts .. ']]',
+           't_{RequestState.QUEUED}', ts, unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS: request hash. ARGV: state, ttl_ms, field/value pairs.
+_TRANSITION = _LUA_NOW_STR + """
+local TERMINAL = {%s}
+local state = ARGV[1]
+local current = redis.call('HGET', KEYS[1], 'state')
+if not current or TERMINAL[current] then return 0 end
+local ts = now_str()
+local history = redis.call('HGET', KEYS[1], 'history')
+history = string.sub(history, 1, -2) .. ',["' .. state .. '",' .. ts .. ']]'
+redis.call('HSET', KEYS[1], 'state', state, 'history', history, 't_' .. state, ts, unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""" % ", ".join(f"{s}=true" for s in sorted(TERMINAL_STATES))
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+def _ms(seconds: float) -> int:
+    if seconds <= 0:
+        raise ValueError(f"ttl must be positive, got {seconds} s")
+    return max(1, int(seconds * 1000))
+
+
+def _pairs(values: dict[str, object]) -> list[str]:
+    flat = []
+    for name, value in values.items():
+        if not isinstance(value, (str, int, float)):
+            raise TypeError(f"request field {name} must be str, int or float, got {type(value).__name__}")
+        flat += [name, str(value)]
+    return flat
+
+
+def _unavailable_as_state_error(method):
+    """Turns every way of not reaching Redis into one StateUnavailable, without the password."""
+    @functools.wraps(method)
+    def wrapper(self: StateStore, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            detail = str(exc)
+            if self._password:
+                detail = detail.replace(self._password, "***")
+            raise StateUnavailable(f"Redis at {self.url} is unreachable: {type(exc).__name__}: {detail}") from exc
+    return wrapper
+
+
+class StateStore:
+    """Worker registry, KV leases and request records in one Redis; safe to share across threads.
+
+    Use a client from common.redis_server.connect(): it decodes responses, times out after
+    2 s and reconnects after a Redis restart. Every method raises StateUnavailable when
+    Redis cannot be reached.
+    """
+
+    _INT_REQUEST_FIELDS = {"prompt_tokens", "max_tokens", "completion_tokens"}
+    _RESERVED_REQUEST_FIELDS = {"state", "history"}
+
+    def __init__(self, client: redis.Redis, *, prefix: str = "handoff:",
+                 record_ttl_s: float = 3600.0, active_record_ttl_s: float = 86400.0) -> None:
+        if not client.get_encoder().decode_responses:
+            raise ValueError("StateStore needs a client with decode_responses=True (use redis_server.connect)")
+        self.client = client
+        self.prefix = prefix
+        self.record_ttl_s = record_ttl_s  # how long a finished/failed/cancelled record is kept
+        # An unfinished record still expires, so a router that died mid-request leaks nothing.
+        self.active_record_ttl_s = active_record_ttl_s
+        kwargs = client.connection_pool.connection_kwargs
+        self._password = kwargs.get("password")
+        where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        self.url = f"redis://{where}/{kwargs.get('db', 0)}"  # never holds the password
+        # redis-py runs these by EVALSHA and re-loads them on NOSCRIPT, e.g. after a Redis restart.
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._deregister = client.register_script(_DEREGISTER)
+        self._list_workers = client.register_script(_LIST_WORKERS)
+        self._reserve = client.register_script(_RESERVE)
+        self._renew = client.register_script(_RENEW)
+        self._live_leases = client.register_script(_LIVE_LEASES)
+        self._create_request = client.register_script(_CREATE_REQUEST)
+        self._transition = client.register_script(_TRANSITION)
+
+    def __repr__(self) -> str:
+        return f"StateStore({self.url}, prefix={self.prefix!r})"
+
+    def _worker_keys(self, worker_id: str) -> list[str]:
+        p = self.prefix
+        return [f"{p}worker:{worker_id}", f"{p}leases:{worker_id}", f"{p}lease_blocks:{worker_id}"]
+
+    @_unavailable_as_state_error
+    def ping(self) -> bool:
+        return bool(self.client.ping())
+
+    # --- worker registry ---
+
+    @_unavailable_as_state_error
+    def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Writes the whole entry and its expiry, so it also re-creates one a Redis restart lost."""
+        pairs = [x for name in _WORKER_FIELDS for x in (name, str(getattr(info, name)))]
+        self._heartbeat(keys=[f"{self.prefix}workers", f"{self.prefix}worker:{info.worker_id}"],
+                        args=[info.worker_id, _ms(ttl_s), *pairs])
+
+    register = heartbeat  # registering is the first heartbeat
+
+    @_unavailable_as_state_error
+    def deregister(self, worker_id: str, epoch: str) -> bool:
+        """Removes the worker and its leases, only if it still runs `epoch` (a restarted
+        worker's old process must not remove the new one)."""
+        return bool(self._deregister(keys=[f"{self.prefix}workers", *self._worker_keys(worker_id)],
+                                     args=[worker_id, epoch]))
+
+    @_unavailable_as_state_error
+    def list_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """Live workers, decode ones with available_blocks, in one round trip."""
+        return [_worker_from_flat(flat) for flat in self._list_workers(args=[self.prefix, role or ""])]
+
+    @_unavailable_as_state_error
+    def get_worker(self, worker_id: str) -> WorkerInfo | None:
+        found = self._list_workers(args=[self.prefix, "", worker_id])
+        return _worker_from_flat(found[0]) if found else None
+
+    # --- KV leases on decode workers ---
+
+    @_unavailable_as_state_error
+    def reserve(self, worker_id: str, epoch: str, request_id: str, num_blocks: int, ttl_s: float) -> ReserveResult:
+        """Leases num_blocks of the worker's KV pool to the request if it runs `epoch` and has room."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        ok, reason, available, expires_at_ms = self._reserve(
+            keys=self._worker_keys(worker_id), args=[epoch, request_id, num_blocks, _ms(ttl_s)])
+        return ReserveResult(bool(ok), ReserveReason(reason), int(available), int(expires_at_ms) / 1000)
+
+    @_unavailable_as_state_error
+    def renew(self, worker_id: str, request_id: str, ttl_s: float) -> bool:
+        """Extends a live lease to now + ttl_s; False if it expired, was released or the worker restarted."""
+        return bool(self._renew(keys=self._worker_keys(worker_id), args=[request_id, _ms(ttl_s)]))
+
+    @_unavailable_as_state_error
+    def release(self, worker_id: str, request_id: str) -> bool:
+        """Frees the request's lease; True if there was one. Safe to call any number of times."""
+        _, leases, blocks = self._worker_keys(worker_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zrem(leases, request_id)
+        pipe.hdel(blocks, request_id)
+        num_removed, _ = pipe.execute()
+        return num_removed > 0
+
+    @_unavailable_as_state_error
+    def reservations(self, worker_id: str) -> dict[str, int]:
+        """Live leases on the worker: request_id -> num_blocks."""
+        _, *flat = self._live_leases(keys=self._worker_keys(worker_id))
+        return {rid: int(n) for rid, n in zip(flat[::2], flat[1::2])}
+
+    @_unavailable_as_state_error
+    def available_blocks(self, worker_id: str) -> int:
+        """total_blocks minus the live leases; 0 for a worker that is not registered."""
+        total_blocks, *flat = self._live_leases(keys=self._worker_keys(worker_id))
+        if total_blocks < 0:
+            return 0
+        return total_blocks - sum(int(n) for n in flat[1::2])
+
+    # --- request records ---
+
+    def _request_key(self, request_id: str) -> str:
+        return f"{self.prefix}request:{request_id}"
+
+    def _check_fields(self, extra: dict[str, object]) -> None:
+        for name in extra:
+            if name in self._RESERVED_REQUEST_FIELDS or name.startswith("t_"):
+                raise ValueError(f"request field {name!r} is managed by the store")
+
+    @_unavailable_as_state_error
+    def create_request(self, request_id: str, *, prompt_tokens: int, max_tokens: int, **extra: object) -> bool:
+        """Records a new request as queued; False if the id is already taken."""
+        self._check_fields(extra)
+        pairs = _pairs({"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, **extra})
+        return bool(self._create_request(keys=[self._request_key(request_id)],
+                                         args=[_ms(self.active_record_ttl_s), *pairs]))
+
+    @_unavailable_as_state_error
+    def transition(self, request_id: str, state: RequestState | str, **fields: object) -> bool:
+        """Moves the request to `state`, stamped with Redis time, and writes `fields`.
+
+        False if the request is unknown or already terminal: each request gets exactly one
+        terminal state. A terminal record expires after record_ttl_s.
+        """
+        state = RequestState(state)
+        self._check_fields(fields)
+        ttl_s = self.record_ttl_s if state in TERMINAL_STATES else self.active_record_ttl_s
+        return bool(self._transition(keys=[self._request_key(request_id)],
+                                     args=[state.value, _ms(ttl_s), *_pairs(fields)]))
+
+    @_unavailable_as_state_error
+    def get_request(self, request_id: str) -> dict | None:
+        """The record with state as RequestState, history as [(state, ts)], t_* and counts as numbers."""
+        record = self.client.hgetall(self._request_key(request_id))
+        if not record:
+            return None
+        record["state"] = RequestState(record["state"])
+        record["history"] = [(RequestState(s), ts) for s, ts in json.loads(record["history"])]
+        for name, value in record.items():
+            if name.startswith("t_"):
+                record[name] = float(value)
+            elif name in self._INT_REQUEST_FIELDS:
+                record[name] = int(value)
+        return record

@@ -1,0 +1,336 @@
+"""Weight loaders: GGUF files and HF checkpoint folders, both into HF-named fp32 tensors.
+
+Checkpoint quirks (GGUF's reversed dimension order, llama.cpp's per-head row
+permutation of the Q and K projections) are undone here, once, so the model code
+never sees them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from common.config import ModelConfig
+from common.models import ModelNotFoundError, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                        "Q4_K", "Q5_K", "Q6_K")
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class ModelLoadError(ValueError):
+    """A model file could not be used; the message names the file and what is wrong."""
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # HF names, fp32, [out, in] for projections
+    weights_id: str  # content hash of the weight files: the model's identity on the wire
+    source: Path
+    # 4-bit tensors exactly as stored (GGUF Q4_0/Q4_1): name -> Int4Weight, for fast small-batch decode.
+    int4: dict[str, "Int4Weight"] = field(default_factory=dict)
+
+
+@dataclass
+class Int4Weight:
+    """w = (codes - 8) * scales + zeros, per group of 32 along the input dimension."""
+
+    codes: np.ndarray  # [out, in] uint8 in 0..15
+    scales: np.ndarray  # [out, in / 32] float32
+    zeros: np.ndarray  # [out, in / 32] float32
+
+    GROUP = 32
+
+
+def load_weights(name_or_path: str | Path, progress: bool = True) -> LoadedWeights:
+    """Load a .gguf file or an HF checkpoint folder (config.json + *.safetensors)."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        return _load_hf_folder(path, progress)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, progress)
+    raise ModelLoadError(f"{path}: not a .gguf file nor an HF checkpoint folder "
+                         f"(a folder with config.json and *.safetensors)")
+
+
+def file_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- GGUF
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp's converter reorders each head's rows from [first half | second half]
+    # (HF's rotate_half layout) to interleaved pairs; this is its exact inverse.
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _int4_from_gguf(t, num_heads: int | None) -> Int4Weight | None:
+    """Q4_0 / Q4_1 blocks → Int4Weight, bit-exact (no dequantize-requantize round trip)."""
+    qtype = t.tensor_type.name
+    if qtype not in ("Q4_0", "Q4_1"):
+        return None
+    raw = np.asarray(t.data)
+    rows = raw.shape[0]
+    block_bytes = 18 if qtype == "Q4_0" else 20
+    blocks = raw.reshape(rows, -1, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q4_0":  # x = (q - 8) * d
+        zeros, qs = np.zeros_like(d), blocks[..., 2:]
+    else:  # x = q * d + m = (q - 8) * d + (m + 8 d)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zeros, qs = m + 8 * d, blocks[..., 4:]
+    # Low nibbles hold the block's first 16 values, high nibbles the next 16.
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, -1)
+    if num_heads is not None:
+        codes = _undo_llama_cpp_permute(codes, num_heads)
+        d = _undo_llama_cpp_permute(d, num_heads)
+        zeros = _undo_llama_cpp_permute(zeros, num_heads)
+    return Int4Weight(np.ascontiguousarray(codes), np.ascontiguousarray(d), np.ascontiguousarray(zeros))
+
+
+def gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
+                             f"(supported: 'llama' — Llama, Mistral, SmolLM and other Llama-family models)")
+
+    def need(key):
+        value = _gguf_field(reader, f"llama.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata key 'llama.{key}' is missing; the file is incomplete")
+        return value
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    num_kv_heads = int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads))
+    head_dim = int(_gguf_field(reader, "llama.attention.key_length", hidden // num_heads))
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
+    if _gguf_field(reader, "llama.rope.scaling.type", "none") not in ("none", None) or "rope_freqs.weight" in names:
+        raise ModelLoadError(f"{path}: rotary scaling is not supported yet (plain RoPE only)")
+    return ModelConfig(
+        vocab_size=int(_gguf_field(reader, "llama.vocab_size", int(embd.shape[1]))),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(_gguf_field(reader, "llama.context_length", 2048)),
+        tie_embeddings="output.weight" not in names,
+    )
+
+
+def open_gguf(path: Path):
+    """GGUFReader with readable errors for missing, truncated or foreign files."""
+    import gguf
+
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader fails deep inside numpy/struct on bad input
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                             f"the file may be truncated or corrupt — download or reinstall it") from exc
+
+
+def _load_gguf(path: Path, progress: bool) -> LoadedWeights:
+    import gguf
+
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    tensors: dict[str, torch.Tensor] = {}
+    int4: dict[str, Int4Weight] = {}
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress,
+                  leave=False):
+        hf_name = _gguf_to_hf_name(t.name, path)
+        if hf_name is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has type {qtype}, which is not supported "
+                                 f"(supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: tensor {t.name} ({qtype}) could not be read: {exc}; "
+                                 f"the file may be truncated or corrupt") from exc
+        # GGUF lists dimensions innermost first; numpy's view is already [out, in].
+        expected = tuple(int(d) for d in reversed(t.shape))
+        if w.shape != expected:
+            w = w.reshape(expected)
+        heads = (config.num_heads if t.name.endswith("attn_q.weight") else
+                 config.num_kv_heads if t.name.endswith("attn_k.weight") else None)
+        if heads is not None:
+            w = _undo_llama_cpp_permute(w, heads)
+        tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+        q4 = _int4_from_gguf(t, heads)
+        if q4 is not None:
+            int4[hf_name] = q4
+    _check_complete(tensors, config, path)
+    return LoadedWeights(config, tensors, file_digest([path]), path, int4)
+
+
+def _gguf_to_hf_name(name: str, path: Path) -> str | None:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    if name.endswith("rot_embd.weight"):  # precomputed rotary tables some old files carry
+        return None
+    raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a llama model")
+
+
+# --------------------------------------------------------------------------- HF folders
+
+def hf_config(folder: Path) -> ModelConfig:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json; an HF checkpoint folder needs config.json "
+                             f"and *.safetensors")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    model_type = cfg.get("model_type")
+    if model_type not in ("llama", "mistral"):
+        raise ModelLoadError(f"{cfg_path}: model_type {model_type!r} is not supported "
+                             f"(supported: 'llama', 'mistral')")
+    if cfg.get("rope_scaling"):
+        raise ModelLoadError(f"{cfg_path}: rope_scaling {cfg['rope_scaling']} is not supported yet")
+    num_heads = int(cfg["num_attention_heads"])
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _load_hf_folder(folder: Path, progress: bool) -> LoadedWeights:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = hf_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files (.bin checkpoints are not supported; "
+                             f"convert them to safetensors)")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        wanted = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in wanted if not (folder / f).is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
+        files = [folder / f for f in wanted]
+    tensors: dict[str, torch.Tensor] = {}
+    for f in tqdm(files, desc=f"loading {folder.name}", unit="shard", disable=not progress, leave=False):
+        try:
+            shard = load_file(f)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({exc}); "
+                                 f"the file may be truncated or corrupt") from exc
+        for name, t in shard.items():
+            tensors[name] = t.float()
+    _check_complete(tensors, config, folder)
+    return LoadedWeights(config, tensors, file_digest(files), folder)
+
+
+def _check_complete(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
+    c = config
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    expected = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_embeddings:
+        expected["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        expected.update({
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (q_rows, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv_rows, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv_rows, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q_rows),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        })
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ModelLoadError(f"{source}: tensor {name} is missing")
+        if tuple(tensors[name].shape) != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"expected {shape} from the model's metadata")
+
+
+def read_model_config(name_or_path: str | Path) -> ModelConfig:
+    """The model's shape from its metadata alone, without reading the weights."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        return hf_config(path)
+    return gguf_config(open_gguf(path), path)
+
+
+def weights_id_of(name_or_path: str | Path) -> str:
+    """The same identity load_weights() reports, without loading: a hash of the weight files."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        files = ([path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+                 if index.is_file() else sorted(path.glob("*.safetensors")))
+        return file_digest(files)
+    return file_digest([path])

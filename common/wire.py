@@ -1,0 +1,45 @@
+"""Conversions between domain types and their protobuf messages (from_pb / to_pb), in one place."""
+from __future__ import annotations
+
+from common.output import FinishReason
+from common.sampling import SamplingParams
+from protos import handoff_pb2, internal_pb2
+
+FINISH_TO_PB = {
+    FinishReason.STOP: handoff_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: handoff_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: handoff_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: handoff_pb2.FINISH_REASON_ERROR,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+def sampling_to_pb(params: SamplingParams, seed: int) -> internal_pb2.SamplingParams:
+    return internal_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, seed=seed, max_tokens=params.max_tokens,
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+
+
+def sampling_from_pb(pb: internal_pb2.SamplingParams, vocab_size: int) -> tuple[SamplingParams, int]:
+    """Internal callers are trusted less than they seem: validate, so a bad peer gets INVALID_ARGUMENT."""
+    params = SamplingParams(
+        temperature=pb.temperature, top_k=pb.top_k, top_p=pb.top_p, min_p=pb.min_p,
+        repetition_penalty=pb.repetition_penalty, presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty, seed=pb.seed, max_tokens=pb.max_tokens,
+        stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos)
+    params.validate(vocab_size)
+    return params, pb.seed
+
+
+def check_token_ids(ids, vocab_size: int, max_len: int, name: str = "prompt_ids") -> list[int]:
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"{name} must not be empty")
+    if len(ids) > max_len:
+        raise ValueError(f"{name} has {len(ids)} tokens; at most {max_len} fit the model's context")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    return ids

@@ -1,0 +1,289 @@
+"""What prefill and decode workers share: their config, registration in Redis, drain on SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from common import cli
+from common.state import StateStore, StateUnavailable, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    host: str = "0.0.0.0"
+    port: int = 0
+    advertise_host: str | None = None
+    worker_id: str | None = None
+    redis_url: str | None = None
+    model: str = "smollm2"
+    dtype: str = "bf16"
+    device: str = "cpu"
+    threads: int = 0
+    metrics_port: int = 0
+    drain_timeout_s: float = 25.0
+    heartbeat_s: float = 0.5  # a dead worker leaves the registry within heartbeat_ttl_s
+    heartbeat_ttl_s: float = 2.0
+    block_size: int = 16
+    max_prefill_tokens: int = 2048
+    max_running: int = 64
+    int4_max_batch: int = 4
+    # decode only
+    kv_port: int = 0
+    kv_memory_gib: float = 1.0
+    kv_wait_s: float = 30.0  # how long KV that arrived may wait for its Decode call, and vice versa
+    # prefill only: its own small pool holds prompts only while they are computed
+    prefill_kv_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        for name in ("block_size", "max_prefill_tokens", "max_running", "prefill_kv_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_memory_gib <= 0:
+            raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib}")
+        if not 0 < self.heartbeat_s < self.heartbeat_ttl_s:
+            raise ValueError("heartbeat_s must be positive and shorter than heartbeat_ttl_s")
+
+    @classmethod
+    def from_args(cls, role: str, argv: list[str] | None, *, port: int, metrics_port: int,
+                  extra: Callable[[argparse.ArgumentParser], None] | None = None) -> "WorkerConfig":
+        p = argparse.ArgumentParser(prog=f"python -m {role}_svc",
+                                    description=f"handoff {role} worker")
+        cli.add_common_flags(p, port=port, metrics_port=metrics_port)
+        cli.add_worker_flags(p)
+        if extra:
+            extra(p)
+        args = vars(p.parse_args(argv))
+        log_level = args.pop("log_level")
+        logging.basicConfig(level=log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            return cls(role=role, **args)
+        except ValueError as exc:
+            p.error(str(exc))
+
+    def resolved(self, bound_port: int) -> "WorkerConfig":
+        host = self.advertise_host or cli.default_host()
+        return replace(self, port=bound_port, advertise_host=host,
+                       worker_id=self.worker_id or f"{self.role}-{host}-{bound_port}")
+
+
+def new_epoch() -> str:
+    """Changes at every process start, so pushes addressed to an earlier life are refused."""
+    return uuid.uuid4().hex[:16]
+
+
+def set_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+class Registration:
+    """Keeps this worker's registry entry alive; a Redis restart is healed by the next beat."""
+
+    def __init__(self, state: StateStore, info: Callable[[], WorkerInfo], *, interval_s: float, ttl_s: float,
+                 on_registered: Callable[[], None] = lambda: None):
+        self.state = state
+        self._info = info
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self._on_registered = on_registered
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.registered = threading.Event()
+
+    def start(self) -> "Registration":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        outage_since = None
+        while not self._stop.is_set():
+            try:
+                self.state.heartbeat(self._info(), self.ttl_s)
+                if outage_since is not None:
+                    log.warning("Redis reachable again after %.1f s; re-registered", time.monotonic() - outage_since)
+                    outage_since = None
+                if not self.registered.is_set():
+                    self.registered.set()
+                    self._on_registered()
+            except StateUnavailable as exc:
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    log.warning("heartbeat failed, will keep trying: %s", exc)
+            self._stop.wait(self.interval_s)
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if deregister:
+            info = self._info()
+            try:
+                self.state.deregister(info.worker_id, info.epoch)
+            except StateUnavailable as exc:
+                log.warning("could not deregister (the entry expires by itself): %s", exc)
+
+
+class WorkerBase:
+    """Model, engine, gRPC server, registry entry and graceful drain of one worker.
+
+    Subclasses add their servicers in `_add_services` and say what they publish in `info()`.
+    """
+
+    service_names: list[str] = []
+
+    def __init__(self, config: WorkerConfig, state: StateStore, *, model=None, tokenizer=None):
+        self.config = config
+        self.state = state
+        self.epoch = new_epoch()
+        self._model = model
+        self.tokenizer = tokenizer
+        self.draining = threading.Event()
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self.started_at = time.time()
+        self.server = None
+        self.engine = None
+
+    # ---- model
+
+    def _load_model(self):
+        from common.model import Llama
+        from common.runner import parse_dtype
+        from common.tokenizer import load_tokenizer
+        from common.models import resolve_model_path
+        from common.weights import load_weights
+
+        if self._model is None:
+            weights = load_weights(self.config.model)
+            self._model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.config.dtype),
+                                device=self.config.device,
+                                int4=weights.int4 if self.config.int4_max_batch > 0 else None)
+            self._model.weights_id = weights.weights_id
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
+        return self._model
+
+    def _num_blocks(self) -> int:
+        raise NotImplementedError
+
+    def _engine_config(self):
+        raise NotImplementedError
+
+    def fingerprint(self):
+        from common.kv_wire import ModelFingerprint
+        return ModelFingerprint.for_model(self.model.config, weights_id=self.model.weights_id,
+                                          block_size=self.config.block_size, dtype=self.model.dtype)
+
+    # ---- lifecycle
+
+    def start(self) -> "WorkerBase":
+        from common import grpc_util
+        from common.engine import Engine
+        from common.kv_cache import KVCache
+        from common.runner import ModelRunner
+
+        set_threads(self.config.threads)
+        self.model = self._load_model()
+        cache = KVCache(self.model.config, self._num_blocks(), self.config.block_size, self.model.dtype,
+                        self.model.device)
+        runner = ModelRunner(self.model, cache, self.config.int4_max_batch)
+        self.engine = Engine(runner, self.tokenizer, self._engine_config()).start()
+        self.server = grpc_util.make_server(max_workers=256,
+                                            max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)
+        self.health = grpc_util.add_health_and_reflection(self.server, self.service_names)
+        self._add_services(self.server)
+        port = grpc_util.bind(self.server, self.config.host, self.config.port)
+        self.config = self.config.resolved(port)
+        self._bind_extra(self.server)
+        self.server.start()
+        self.registration = Registration(
+            self.state, self.info, interval_s=self.config.heartbeat_s, ttl_s=self.config.heartbeat_ttl_s,
+            on_registered=lambda: grpc_util.set_serving(self.health, self.service_names, True)).start()
+        log.info("%s worker %s listening on %s:%d (epoch %s)", self.config.role, self.config.worker_id,
+                 self.config.host, self.config.port, self.epoch)
+        return self
+
+    def _add_services(self, server) -> None:
+        raise NotImplementedError
+
+    def _bind_extra(self, server) -> None:
+        """Extra ports (decode's KV port); called after the main port is bound."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.advertise_host}:{self.config.port}"
+
+    def info(self) -> WorkerInfo:
+        raise NotImplementedError
+
+    def admit(self) -> None:
+        """Called at the start of each RPC that takes new work."""
+        from common.grpc_util import ServiceError
+        import grpc
+        if self.draining.is_set():
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{self.config.role} worker {self.config.worker_id} is shutting down; "
+                               f"retry on another worker")
+
+    def track(self):
+        """Context manager counting an RPC as in flight, so a drain waits for it."""
+        worker = self
+
+        class _Track:
+            def __enter__(self):
+                with worker._inflight_lock:
+                    worker._inflight += 1
+
+            def __exit__(self, *exc):
+                with worker._inflight_lock:
+                    worker._inflight -= 1
+        return _Track()
+
+    @property
+    def num_inflight(self) -> int:
+        return self._inflight
+
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Stop taking work, let what is in flight finish (up to the drain timeout), deregister, exit."""
+        from common import grpc_util
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self.draining.set()
+        if self.server is None:
+            return
+        grpc_util.set_serving(self.health, self.service_names, False)
+        # Leave the registry first so routers stop sending new requests here.
+        self.registration.stop(deregister=True)
+        deadline = time.monotonic() + timeout
+        while (self.num_inflight > 0 or self.engine.num_active > 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.num_inflight or self.engine.num_active:
+            log.warning("drain timeout: %d RPCs, %d sequences still running; cancelling them",
+                        self.num_inflight, self.engine.num_active)
+        self.engine.stop()
+        self.server.stop(grace=1.0).wait()
+        log.info("%s worker %s stopped", self.config.role, self.config.worker_id)
+
+
+def run_until_signalled(worker: WorkerBase) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (Kubernetes gives terminationGracePeriodSeconds)."""
+    import signal
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker.start()
+    stop.wait()
+    log.info("signal received: draining")
+    worker.stop()

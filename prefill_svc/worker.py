@@ -1,0 +1,123 @@
+"""The prefill worker: batches prompts, samples their first token, pushes their KV to a decode worker."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from common import grpc_util, metrics
+from common.engine import EngineConfig, TokenEvent
+from common.grpc_util import ServiceError
+from common.kv_wire import encode_kv
+from common.output import FinishReason
+from common.state import WorkerInfo
+from common.wire import check_token_ids, sampling_from_pb
+from common.worker import WorkerBase
+from protos import internal_pb2, internal_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker(WorkerBase):
+    service_names = ["handoff.v1.PrefillWorker"]
+
+    def __init__(self, config, state, **kwargs):
+        super().__init__(config, state, **kwargs)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+
+    def _num_blocks(self) -> int:
+        # K/V lives here only while a prompt is computed and exported.
+        return -(-self.config.prefill_kv_tokens // self.config.block_size)
+
+    def _engine_config(self) -> EngineConfig:
+        return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens,
+                            max_running=self.config.max_running, prefill_only=True)
+
+    def _add_services(self, server) -> None:
+        internal_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server)
+
+    def info(self) -> WorkerInfo:
+        queued = len(self.engine.waiting) + self.num_inflight
+        metrics.PREFILL_QUEUE.labels(self.config.worker_id).set(queued)
+        pool = self.engine.pool
+        return WorkerInfo(worker_id=self.config.worker_id, role="prefill", address=self.address, kv_address="",
+                          epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
+                          free_blocks=pool.num_free_blocks, num_running=self.num_inflight,
+                          num_waiting=len(self.engine.waiting), started_at=self.started_at,
+                          block_size=self.config.block_size)
+
+    def kv_stub(self, address: str) -> internal_pb2_grpc.KVTransferStub:
+        with self._channels_lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc_util.channel(address)
+        return internal_pb2_grpc.KVTransferStub(ch)
+
+    def stop(self, drain_timeout_s: float | None = None) -> None:
+        super().stop(drain_timeout_s)
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.w = worker
+
+    def Prefill(self, request: internal_pb2.PrefillRequest, context):
+        self.w.admit()
+        with self.w.track():
+            yield from self._prefill(request, context)
+
+    def _prefill(self, request, context):
+        w = self.w
+        rid = request.request_id
+        cfg = w.model.config
+        params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
+        ids = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
+        target = request.target
+        if not (target.worker_id and target.kv_address and target.epoch):
+            raise ValueError("target must name the decode worker: worker_id, kv_address and epoch")
+        t0 = time.perf_counter()
+        events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        context.add_callback(lambda: w.engine.cancel(rid))
+        w.engine.submit(rid, ids, params, events.put, seed=seed)
+        ev = events.get()
+        if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) or ev.kv is None:
+            if not context.is_active():
+                return
+            raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
+                               else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
+        prefill_s = time.perf_counter() - t0
+        metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
+        yield internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken(
+            token_id=ev.token_ids[0], prefill_s=prefill_s))
+        # The first token is on its way to the client; now ship the prompt's K/V to decode.
+        yield internal_pb2.PrefillEvent(transfer_done=self._push(rid, ev.kv, target, context))
+
+    def _push(self, rid: str, kv, target, context) -> internal_pb2.TransferDone:
+        w = self.w
+        wid = w.config.worker_id
+        t0 = time.perf_counter()
+        chunks = encode_kv(kv.contiguous(), request_id=rid, target_worker_id=target.worker_id,
+                           target_epoch=target.epoch, fingerprint=w.fingerprint(),
+                           reservation_id=target.reservation_id)
+        try:
+            reply = w.kv_stub(target.kv_address).PushKV(chunks, timeout=context.time_remaining())
+        except grpc.RpcError as exc:
+            metrics.KV_FAILURES.labels(wid, exc.code().name.lower()).inc()
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                code = grpc.StatusCode.UNAVAILABLE
+            raise ServiceError(code, f"KV push of {rid} to decode worker {target.worker_id} "
+                                     f"({target.kv_address}) failed: {exc.code().name}: {exc.details()}") from exc
+        transfer_s = time.perf_counter() - t0
+        metrics.KV_BYTES.labels(wid, "out").inc(reply.kv_bytes)
+        metrics.KV_SECONDS.labels(wid).observe(transfer_s)
+        num_chunks = -(-reply.kv_bytes // (1 << 20))
+        return internal_pb2.TransferDone(kv_bytes=reply.kv_bytes, num_chunks=num_chunks, transfer_s=transfer_s)

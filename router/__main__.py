@@ -1,0 +1,31 @@
+"""python -m router: the public entry point (one per Kubernetes pod, behind a Service)."""
+import logging
+import signal
+import threading
+
+from common import cli, metrics
+from common.redis_server import connect
+from common.state import StateStore
+from router.config import RouterConfig
+from router.server import RouterServer
+
+log = logging.getLogger("router")
+
+
+def main(argv=None) -> None:
+    config = RouterConfig.from_args(argv)
+    client, embedded = connect(config.redis_url, password=cli.redis_password())
+    metrics.serve_metrics(config.metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = RouterServer(config, StateStore(client)).start()
+    stop.wait()
+    log.info("signal received: finishing in-flight streams")
+    server.stop()
+    if embedded:
+        embedded.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The router's configuration: one frozen dataclass, built once from flags and the environment."""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+from common import cli
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    redis_url: str | None = None
+    model: str = "smollm2"
+    metrics_port: int = 0
+    default_max_tokens: int = 256
+    max_messages: int = 256  # chat messages per request
+    max_request_s: float = 600.0  # a request without a client deadline gets this one
+    lease_ttl_s: float = 10.0  # a dead router's reservations come back within this
+    queue_timeout_s: float = 5.0  # how long a request may wait for decode capacity
+    max_queued: int = 128  # requests waiting for capacity; beyond, RESOURCE_EXHAUSTED at once
+    kv_wait_s: float = 30.0  # how long a decode worker waits for a request's KV
+    max_attempts: int = 3  # tries of one request across workers (the retry budget)
+    server_threads: int = 256  # concurrent Generate streams this router can hold
+
+    def __post_init__(self) -> None:
+        for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None) -> "RouterConfig":
+        p = argparse.ArgumentParser(prog="python -m router", description="handoff router: the public Generate API")
+        cli.add_common_flags(p, port=50051, metrics_port=9100)
+        cli.add_flag(p, "--queue-timeout-s", "HANDOFF_QUEUE_TIMEOUT_S", 5.0,
+                     "how long a request may wait for decode capacity", float)
+        cli.add_flag(p, "--max-queued", "HANDOFF_MAX_QUEUED", 128, "requests allowed to wait for capacity", int)
+        cli.add_flag(p, "--lease-ttl-s", "HANDOFF_LEASE_TTL_S", 10.0, "KV reservation lease", float)
+        args = vars(p.parse_args(argv))
+        logging.basicConfig(level=args.pop("log_level").upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            return cls(**args)
+        except ValueError as exc:
+            p.error(str(exc))

@@ -1,0 +1,114 @@
+"""Choosing workers from the Redis registry and reserving decode capacity, with a bounded wait."""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import grpc
+
+from common.grpc_util import ServiceError
+from common.state import StateStore, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lease:
+    worker: WorkerInfo
+    num_blocks: int
+
+
+class WorkerPicker:
+    def __init__(self, state: StateStore, model_id: str, *, lease_ttl_s: float, queue_timeout_s: float,
+                 max_queued: int):
+        self.state = state
+        self.model_id = model_id
+        self.lease_ttl_s = lease_ttl_s
+        self.queue_timeout_s = queue_timeout_s
+        self._queue_slots = threading.BoundedSemaphore(max_queued)
+        self._lock = threading.Lock()
+        self._prefill_load: Counter[str] = Counter()  # requests this router has in flight per prefill worker
+        self._warned: set[str] = set()
+
+    def _live(self, role: str, exclude: set[str]) -> list[WorkerInfo]:
+        workers = []
+        for w in self.state.list_workers(role):
+            if w.worker_id in exclude:
+                continue
+            if w.model_id != self.model_id:
+                if w.worker_id not in self._warned:
+                    self._warned.add(w.worker_id)
+                    log.warning("ignoring %s worker %s: it serves model %s, this router serves %s",
+                                role, w.worker_id, w.model_id, self.model_id)
+                continue
+            workers.append(w)
+        return workers
+
+    def reserve_decode(self, request_id: str, num_tokens: int, deadline: float,
+                       exclude: set[str] = frozenset()) -> Lease:
+        """Lease KV blocks for num_tokens on the decode worker with the most room; waits (bounded) for room."""
+        if not self._queue_slots.acquire(blocking=False):
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "too many requests are already waiting for decode capacity; retry later")
+        try:
+            return self._reserve(request_id, num_tokens, min(deadline, time.monotonic() + self.queue_timeout_s),
+                                 exclude)
+        finally:
+            self._queue_slots.release()
+
+    def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: set[str]) -> Lease:
+        delay = 0.005
+        largest = 0
+        while True:
+            workers = self._live("decode", exclude)
+            # Most free blocks first; shuffle first so equal ones share the load.
+            random.shuffle(workers)
+            workers.sort(key=lambda w: w.available_blocks or 0, reverse=True)
+            for w in workers:
+                blocks = -(-num_tokens // w.block_size)
+                if blocks > w.total_blocks:
+                    continue
+                if (w.available_blocks or 0) < blocks:
+                    continue
+                result = self.state.reserve(w.worker_id, w.epoch, request_id, blocks, self.lease_ttl_s)
+                if result.ok:
+                    return Lease(w, blocks)
+            if workers and all(-(-num_tokens // w.block_size) > w.total_blocks for w in workers):
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"the request needs KV for {num_tokens} tokens (prompt + max_tokens), more "
+                                   f"than any decode worker's whole pool holds; lower max_tokens")
+            largest = max([w.available_blocks or 0 for w in workers] + [0])
+            if time.monotonic() >= until:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        if not workers:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               "no decode worker is registered (none started, all down, or Redis was reset "
+                               "and they have not re-registered yet); retry shortly")
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
+                           f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
+                           f"retry later or lower max_tokens")
+
+    def pick_prefill(self, exclude: set[str] = frozenset()) -> WorkerInfo:
+        workers = self._live("prefill", exclude)
+        if not workers:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               "no prefill worker is registered (none started, all down, or Redis was reset "
+                               "and they have not re-registered yet); retry shortly")
+        random.shuffle(workers)
+        with self._lock:
+            best = min(workers, key=lambda w: (self._prefill_load[w.worker_id], w.num_waiting))
+            self._prefill_load[best.worker_id] += 1
+        return best
+
+    def done_prefill(self, worker_id: str) -> None:
+        with self._lock:
+            self._prefill_load[worker_id] -= 1
+            if self._prefill_load[worker_id] <= 0:
+                del self._prefill_load[worker_id]

@@ -1,0 +1,295 @@
+"""The router's Generate: reserve decode KV, prefill, relay tokens; fail over while the retry budget lasts."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from common import grpc_util, metrics
+from common.grpc_util import ServiceError
+from common.output import FinishReason, OutputProcessor
+from common.state import RequestState, StateStore, StateUnavailable
+from common.tokenizer import Tokenizer
+from common.wire import FINISH_TO_PB, sampling_to_pb
+from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grpc
+from router.config import RouterConfig
+from router.picker import WorkerPicker
+from router.validate import RequestValidator, ValidRequest
+
+log = logging.getLogger(__name__)
+
+# Downstream failures that another worker may not have: the attempt is retried elsewhere.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS,
+              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+_TERMINAL = {FinishReason.STOP: RequestState.FINISHED, FinishReason.LENGTH: RequestState.FINISHED,
+             FinishReason.CANCELLED: RequestState.CANCELLED, FinishReason.ERROR: RequestState.FAILED}
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, where: str, worker_id: str, message: str):
+        super().__init__(f"{where} worker {worker_id}: {message}")
+        self.where = where
+        self.worker_id = worker_id
+
+
+class Router:
+    """What all Generate calls share: validation, worker choice, channels, Redis."""
+
+    def __init__(self, config: RouterConfig, state: StateStore, tokenizer: Tokenizer, model_config, weights_id: str):
+        self.config = config
+        self.state = state
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.validator = RequestValidator(tokenizer, model_config, default_max_tokens=config.default_max_tokens,
+                                          max_messages=config.max_messages)
+        self.picker = WorkerPicker(state, weights_id, lease_ttl_s=config.lease_ttl_s,
+                                   queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc_util.channel(address)
+            return ch
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class RouterServicer(handoff_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    def Generate(self, request: handoff_pb2.GenerateRequest, context):
+        req = self.router.validator.validate(request)
+        yield from GenerateCall(self.router, req, context).run()
+
+
+class GenerateCall:
+    """One request's life: its attempts, the tokens relayed so far, its terminal state."""
+
+    def __init__(self, router: Router, req: ValidRequest, context: grpc.ServicerContext):
+        self.r = router
+        self.req = req
+        self.rid = req.request_id
+        self.context = context
+        self.out = OutputProcessor(router.tokenizer, req.params, len(req.prompt_ids),
+                                   router.model_config.max_position)
+        self.generated: list[int] = []
+        self.t_arrival = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.lease = None
+        self._calls: list = []
+        self._calls_lock = threading.Lock()
+        self._last_renew = 0.0
+
+    # ---- bookkeeping that must not break a stream when Redis hiccups
+
+    def _record(self, state: RequestState, **fields) -> None:
+        try:
+            self.r.state.transition(self.rid, state, **fields)
+        except StateUnavailable as exc:
+            log.warning("%s: could not record %s: %s", self.rid, state, exc)
+
+    def _release(self) -> None:
+        if self.lease is None:
+            return
+        try:
+            self.r.state.release(self.lease.worker.worker_id, self.rid)
+        except StateUnavailable as exc:
+            log.warning("%s: could not release lease (it expires in %.0f s): %s", self.rid,
+                        self.r.config.lease_ttl_s, exc)
+        self.lease = None
+
+    def _renew(self) -> None:
+        now = time.monotonic()
+        if self.lease is None or now - self._last_renew < self.r.config.lease_ttl_s / 3:
+            return
+        self._last_renew = now
+        try:
+            self.r.state.renew(self.lease.worker.worker_id, self.rid, self.r.config.lease_ttl_s)
+        except StateUnavailable as exc:
+            log.warning("%s: could not renew lease: %s", self.rid, exc)
+
+    def _cancel_calls(self) -> None:
+        with self._calls_lock:
+            for call in self._calls:
+                call.cancel()
+
+    def _track(self, call):
+        with self._calls_lock:
+            self._calls.append(call)
+        return call
+
+    # ---- the request
+
+    def run(self):
+        cfg = self.r.config
+        remaining = self.context.time_remaining()
+        deadline = time.monotonic() + min(remaining if remaining is not None else cfg.max_request_s, cfg.max_request_s)
+        try:
+            created = self.r.state.create_request(
+                self.rid, prompt_tokens=len(self.req.prompt_ids), max_tokens=self.req.params.max_tokens,
+                seed=str(self.req.seed))
+        except StateUnavailable as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"cluster state (Redis) is unreachable: {exc}") from exc
+        if not created:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id {self.rid!r} is already in use; choose another or leave it empty")
+        self.context.add_callback(self._cancel_calls)
+        metrics.ROUTER_RUNNING.inc()
+        reason, error = FinishReason.ERROR, None
+        try:
+            reason = yield from self._serve(deadline)
+        except ServiceError as exc:
+            error = exc.message
+            raise
+        except GeneratorExit:
+            reason = FinishReason.CANCELLED
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if reason == FinishReason.ERROR and not self.context.is_active():
+                reason, error = FinishReason.CANCELLED, None
+            self._cancel_calls()
+            self._release()
+            fields = {"completion_tokens": len(self.generated), "finish_reason": reason.value}
+            if error:
+                fields["error"] = error[:2000]
+            self._record(_TERMINAL[reason], **fields)
+            metrics.ROUTER_RUNNING.dec()
+            metrics.REQUESTS.labels(reason.value).inc()
+            metrics.E2E.observe(time.perf_counter() - self.t_arrival)
+
+    def _serve(self, deadline: float):
+        failures: list[str] = []
+        exclude: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        for attempt in range(1, self.r.config.max_attempts + 1):
+            try:
+                return (yield from self._attempt(deadline, exclude))
+            except _AttemptFailed as exc:
+                failures.append(str(exc))
+                exclude[exc.where].add(exc.worker_id)
+                metrics.RETRIES.labels(exc.where).inc()
+                log.warning("%s: attempt %d failed (%s); %s", self.rid, attempt, exc,
+                            "retrying" if attempt < self.r.config.max_attempts else "giving up")
+                self._release()
+            if not self.context.is_active():
+                return FinishReason.CANCELLED
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                           f"request {self.rid} failed on {len(failures)} attempts (the retry budget) after "
+                           f"{len(self.generated)} tokens: " + "; ".join(failures))
+
+    def _attempt(self, deadline: float, exclude: dict[str, set[str]]):
+        r, req = self.r, self.req
+        t_queue = time.perf_counter()
+        metrics.ROUTER_WAITING.inc()
+        try:
+            self.lease = r.picker.reserve_decode(self.rid, len(req.prompt_ids) + req.params.max_tokens, deadline,
+                                                 exclude["decode"])
+        finally:
+            metrics.ROUTER_WAITING.dec()
+        metrics.QUEUE.observe(time.perf_counter() - t_queue)
+        self._last_renew = time.monotonic()
+        dw = self.lease.worker
+        pw = r.picker.pick_prefill(exclude["prefill"])
+        # A resumed request re-prefills everything but its newest token, which decode feeds next.
+        ids = req.prompt_ids + self.generated[:-1]
+        sampling = sampling_to_pb(req.params, req.seed)
+        self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id)
+        try:
+            prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(r.channel(pw.address)).Prefill(
+                internal_pb2.PrefillRequest(
+                    request_id=self.rid, prompt_ids=ids, sampling=sampling,
+                    target=internal_pb2.KVTarget(worker_id=dw.worker_id, kv_address=dw.kv_address,
+                                                 epoch=dw.epoch, reservation_id=self.rid)),
+                timeout=self._timeout(deadline)))
+            first = self._next(prefill_call, "prefill", pw.worker_id, deadline)
+            if not first.HasField("first_token"):
+                raise _AttemptFailed("prefill", pw.worker_id, "answered without a first token")
+            if not self.generated:
+                msg = self._push([first.first_token.token_id])
+                if msg is not None:
+                    yield msg
+                if self.out.finish_reason is not None:
+                    return self.out.finish_reason
+            self._record(RequestState.TRANSFERRING)
+            decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(r.channel(dw.address)).Decode(
+                internal_pb2.DecodeRequest(
+                    request_id=self.rid, epoch=dw.epoch, prompt_ids=ids, first_token_id=self.generated[-1],
+                    sampling=sampling, num_generated=len(self.generated) - 1, kv_wait_s=r.config.kv_wait_s),
+                timeout=self._timeout(deadline)))
+            done = self._next(prefill_call, "prefill", pw.worker_id, deadline)
+            self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
+                         transfer_s=round(done.transfer_done.transfer_s, 6))
+        finally:
+            r.picker.done_prefill(pw.worker_id)
+        while True:
+            ev = self._next(decode_call, "decode", dw.worker_id, deadline)
+            if ev is None:
+                raise _AttemptFailed("decode", dw.worker_id, "stream ended without a finish reason")
+            msg = self._push(list(ev.token_ids))
+            if msg is not None:
+                yield msg
+            if self.out.finish_reason is not None:
+                return self.out.finish_reason
+            if ev.HasField("finish_reason"):
+                raise _AttemptFailed("decode", dw.worker_id, "finished while the router expected more tokens")
+            self._renew()
+
+    def _timeout(self, deadline: float) -> float:
+        return max(0.001, deadline - time.monotonic())
+
+    def _next(self, call, where: str, worker_id: str, deadline: float):
+        try:
+            return next(call)
+        except StopIteration:
+            return None
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if not self.context.is_active():
+                raise ServiceError(grpc.StatusCode.CANCELLED, "client cancelled") from exc
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"request {self.rid} ran past its deadline after {len(self.generated)} "
+                                   f"tokens ({where} worker {worker_id})") from exc
+            if code in _RETRYABLE:
+                raise _AttemptFailed(where, worker_id, f"{code.name}: {exc.details()}") from exc
+            raise ServiceError(code, f"{where} worker {worker_id}: {exc.details()}") from exc
+
+    def _push(self, token_ids: list[int]) -> handoff_pb2.GenerateResponse | None:
+        """Feed tokens through the output processor; the message to stream, the last one when finished."""
+        text, new_ids = "", []
+        for tok in token_ids:
+            if self.out.finish_reason is not None:
+                break
+            self.generated.append(tok)
+            text += self.out.push(tok)
+            if tok not in self.out.stop_ids:
+                new_ids.append(tok)
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+            metrics.TTFT.observe(now - self.t_arrival)
+        elif self.t_last is not None and new_ids:
+            metrics.ITL.observe((now - self.t_last) / len(new_ids))
+        self.t_last = now
+        reason = self.out.finish_reason
+        if reason is None:
+            return handoff_pb2.GenerateResponse(text=text, token_ids=new_ids, request_id=self.rid) \
+                if text or new_ids else None
+        return handoff_pb2.GenerateResponse(
+            text=text, token_ids=new_ids, finish_reason=FINISH_TO_PB[reason], request_id=self.rid,
+            prompt_tokens=len(self.req.prompt_ids), completion_tokens=len(self.generated),
+            ttft_s=self.t_first - self.t_arrival, decode_s=now - self.t_first, seed=self.req.seed)

@@ -1,0 +1,89 @@
+"""Checks a public GenerateRequest before any work: a clear INVALID_ARGUMENT naming the field."""
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+
+from common.config import ModelConfig
+from common.sampling import MAX_SEED, SamplingParams, derive_seed
+from common.tokenizer import Tokenizer, TokenizerError
+from protos import handoff_pb2
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # max_tokens resolved, seed resolved
+    seed: int
+
+
+class RequestValidator:
+    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, *, default_max_tokens: int,
+                 max_messages: int):
+        self.tokenizer = tokenizer
+        self.context_len = model_config.max_position
+        self.vocab_size = model_config.vocab_size
+        self.default_max_tokens = default_max_tokens
+        self.max_messages = max_messages
+
+    def validate(self, r: handoff_pb2.GenerateRequest) -> ValidRequest:
+        request_id = r.request_id or uuid.uuid4().hex
+        if not _REQUEST_ID.match(request_id):
+            raise ValueError("request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+        prompt_ids = self._prompt_ids(r)
+        room = self.context_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {self.context_len} "
+                             f"tokens and at least one must be left to generate")
+        max_tokens = r.max_tokens if r.HasField("max_tokens") else min(self.default_max_tokens, room)
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens > room:
+            raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({len(prompt_ids)} tokens) exceeds the "
+                             f"model's context of {self.context_len} tokens; max_tokens may be at most {room}")
+        if r.HasField("seed") and r.seed > MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {r.seed}")
+
+        def opt(name, default):
+            return getattr(r, name) if r.HasField(name) else default
+
+        params = SamplingParams(
+            temperature=opt("temperature", 1.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),
+            min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
+            presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
+            seed=r.seed if r.HasField("seed") else None, max_tokens=max_tokens, stop=tuple(r.stop),
+            stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(params, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(params, name)}")
+        params.validate(self.vocab_size)
+        return ValidRequest(request_id, prompt_ids, params, derive_seed(params.seed))
+
+    def _prompt_ids(self, r: handoff_pb2.GenerateRequest) -> list[int]:
+        if r.prompt and r.messages:
+            raise ValueError("give either prompt or messages, not both")
+        if r.messages:
+            if len(r.messages) > self.max_messages:
+                raise ValueError(f"messages has {len(r.messages)} entries; at most {self.max_messages} are allowed")
+            for i, m in enumerate(r.messages):
+                if m.role not in _ROLES:
+                    raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}")
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in r.messages])
+            except TokenizerError as exc:
+                raise ValueError(f"messages: the model's chat template rejected them: {exc}") from exc
+        elif r.prompt:
+            text = r.prompt
+        else:
+            raise ValueError("prompt or messages is required (both are empty)")
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError("prompt encodes to no tokens")
+        return ids

