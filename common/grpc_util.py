@@ -98,6 +98,8 @@ def make_server(max_workers: int, *, max_message_bytes: int) -> grpc.Server:
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=[ErrorInterceptor()],
+        # Beyond this many calls gRPC answers RESOURCE_EXHAUSTED at once instead of queueing unseen.
+        maximum_concurrent_rpcs=max_workers,
         options=[("grpc.max_receive_message_length", max_message_bytes),
                  ("grpc.max_send_message_length", max_message_bytes),
                  ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS],

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = plan(*shape, DTYPE_BYTES[args.dtype], int(args.memory_gib * (1 << 30)),
                       args.block_size, args.tokens)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # OverflowError: --memory-gib inf
         p.error(str(exc))
     out = {"layers": shape[0], "kv_heads": shape[1], "head_dim": shape[2], "dtype": args.dtype,
            "memory_gib": args.memory_gib, **asdict(result),

@@ -75,7 +75,7 @@ class DecodeWorker(WorkerBase):
         return WorkerInfo(worker_id=wid, role="decode", address=self.address, kv_address=self.kv_address,
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=len(self.engine.running),
-                          num_waiting=len(self.engine.waiting), started_at=self.started_at,
+                          num_waiting=len(self.engine.waiting) + self.inbox.num_parked, started_at=self.started_at,
                           block_size=self.config.block_size)
 
     def max_kv_bytes(self) -> int:

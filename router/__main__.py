@@ -22,7 +22,7 @@ def main(argv=None) -> None:
     server = RouterServer(config, StateStore(client)).start()
     stop.wait()
     log.info("signal received: finishing in-flight streams")
-    server.stop()
+    server.stop(config.drain_timeout_s)
     if embedded:
         embedded.stop()
 

@@ -24,12 +24,13 @@ class RouterConfig:
     kv_wait_s: float = 30.0  # how long a decode worker waits for a request's KV
     max_attempts: int = 3  # tries of one request across workers (the retry budget)
     server_threads: int = 256  # concurrent Generate streams this router can hold
+    drain_timeout_s: float = 25.0  # on SIGTERM, how long in-flight streams may take to finish
 
     def __post_init__(self) -> None:
         for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s"):
+        for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -41,6 +42,8 @@ class RouterConfig:
                      "how long a request may wait for decode capacity", float)
         cli.add_flag(p, "--max-queued", "HANDOFF_MAX_QUEUED", 128, "requests allowed to wait for capacity", int)
         cli.add_flag(p, "--lease-ttl-s", "HANDOFF_LEASE_TTL_S", 10.0, "KV reservation lease", float)
+        cli.add_flag(p, "--drain-timeout-s", "HANDOFF_DRAIN_TIMEOUT_S", 25.0,
+                     "on SIGTERM, how long in-flight streams may take to finish", float)
         args = vars(p.parse_args(argv))
         logging.basicConfig(level=args.pop("log_level").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

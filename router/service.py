@@ -122,8 +122,9 @@ class GenerateCall:
 
     def _cancel_calls(self) -> None:
         with self._calls_lock:
-            for call in self._calls:
-                call.cancel()
+            calls, self._calls = self._calls, []
+        for call in calls:
+            call.cancel()
 
     def _track(self, call):
         with self._calls_lock:
@@ -179,6 +180,8 @@ class GenerateCall:
             try:
                 return (yield from self._attempt(deadline, exclude))
             except _AttemptFailed as exc:
+                # Whatever the failed attempt still has open downstream must stop now.
+                self._cancel_calls()
                 failures.append(str(exc))
                 exclude[exc.where].add(exc.worker_id)
                 metrics.RETRIES.labels(exc.where).inc()

@@ -1,0 +1,272 @@
+"""Shared fixtures: the packaged SmolLM2 (our weights, tokenizer, models, HF's reference), an engine driver,
+and tiny random Llama checkpoints written as HF folders and as GGUF files."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+# The test machines have 2 cores and run several test sessions at once: OpenMP contention costs more
+# than it gains. Set at import so that module-level code and every fixture run single-threaded too.
+torch.set_num_threads(1)
+
+from common.engine import Engine, EngineConfig, TokenEvent  # noqa: E402
+from common.kv_cache import KVCache  # noqa: E402
+from common.model import Llama  # noqa: E402
+from common.output import FinishReason  # noqa: E402
+from common.runner import ModelRunner  # noqa: E402
+
+CHAT_QUESTION = "What is the capital of France?"
+
+
+# --------------------------------------------------------------------------- SmolLM2 (the packaged GGUF)
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from common.models import resolve_model_path
+    return resolve_model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_weights(smollm2_path):
+    from common.weights import load_weights
+    return load_weights(smollm2_path, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from common.tokenizer import load_tokenizer
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_weights):
+    """A factory of our Llama over the session's weights, one per (dtype, int4): models hold no state."""
+    cache: dict = {}
+
+    def get(dtype: torch.dtype = torch.float32, int4: bool = False) -> Llama:
+        key = (dtype, int4)
+        if key not in cache:
+            w = smollm2_weights
+            model = Llama(w.config, w.tensors, dtype=dtype, int4=w.int4 if int4 else None)
+            model.weights_id = w.weights_id
+            cache[key] = model
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_runner(smollm2_model):
+    """make_runner(num_blocks, dtype=fp32, block_size=16, int4_max_batch=0) → a ModelRunner with a fresh cache."""
+
+    def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, block_size: int = 16,
+             int4_max_batch: int = 0) -> ModelRunner:
+        model = smollm2_model(dtype, int4=int4_max_batch > 0)
+        assert int4_max_batch == 0 or model.has_int4, "the int4 path needs bf16 and a Q4 GGUF"
+        cache = KVCache(model.config, num_blocks, block_size, dtype)
+        return ModelRunner(model, cache, int4_max_batch)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def make_engine(make_runner, smollm2_tokenizer):
+    """make_engine(num_blocks=256, dtype=fp32, int4_max_batch=0, **EngineConfig fields) → an Engine (not started)."""
+
+    def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, int4_max_batch: int = 0,
+             block_size: int = 16, **config) -> Engine:
+        runner = make_runner(num_blocks, dtype, block_size, int4_max_batch)
+        return Engine(runner, smollm2_tokenizer, EngineConfig(**config))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def chat_ids(smollm2_tokenizer):
+    """chat_ids(question) → token ids of a one-turn chat prompt with the generation prompt."""
+
+    def ids(question: str = CHAT_QUESTION) -> list[int]:
+        tok = smollm2_tokenizer
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+
+    return ids
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """HF transformers on the same GGUF, fp32: the numerical reference (about 15 s to load)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate(do_sample=False) with no EOS (it runs on through one, as ignore_eos does): the new tokens.
+
+    eos_token_id=[]: None would fall back to the model's generation_config, which stops on EOS.
+    """
+    from transformers import GenerationConfig
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             generation_config=config)
+    new = out[0, len(prompt_ids):].tolist()
+    assert len(new) == max_new_tokens, f"HF stopped after {len(new)} tokens"
+    return new
+
+
+# --------------------------------------------------------------------------- driving an Engine
+
+@dataclass
+class Collected:
+    """Everything one sequence streamed."""
+
+    events: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def done(self) -> bool:
+        # A prefill_only engine ends a sequence with finish_reason None and the exported K/V.
+        return bool(self.events) and (self.events[-1].finish_reason is not None or self.events[-1].kv is not None)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.events[-1].finish_reason if self.events else None
+
+    @property
+    def error(self) -> str | None:
+        return self.events[-1].error if self.events else None
+
+    @property
+    def kv(self):
+        return self.events[-1].kv if self.events else None
+
+
+class Sinks(dict):
+    """seq_id → Collected; sink(seq_id) is the callback to hand to Engine.submit."""
+
+    def sink(self, seq_id: str):
+        collected = self.setdefault(seq_id, Collected())
+
+        def receive(event: TokenEvent) -> None:
+            assert event.seq_id == seq_id
+            assert not collected.done, f"{seq_id}: event after the last one: {event}"
+            collected.events.append(event)
+
+        return receive
+
+
+def run_until_done(engine: Engine, sinks: Sinks, max_steps: int = 2000) -> int:
+    """Step the engine synchronously until every sink got its last event; returns the steps taken."""
+    for n in range(max_steps):
+        if all(c.done for c in sinks.values()) and engine.num_active == 0:
+            return n
+        engine.step()
+    raise AssertionError(f"engine did not finish in {max_steps} steps: "
+                         f"{ {k: len(c.token_ids) for k, c in sinks.items() if not c.done} }")
+
+
+# --------------------------------------------------------------------------- tiny random Llama checkpoints
+
+TINY_LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)  # not the 1e4 default
+
+
+def tiny_hf_llama(seed: int = 0, **overrides):
+    """A random-weight transformers LlamaForCausalLM (fp32, eval), norms randomised too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # norm weights start at 1; random ones catch a norm read from the wrong tensor
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))  # larger than the init's 0.02: logits far from uniform
+    return model
+
+
+def save_hf_folder(model, folder: Path) -> Path:
+    """config.json + model.safetensors (one shard) through save_pretrained."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py's LlamaModel.permute (HF rotate_half rows → interleaved pairs)."""
+    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_llama_gguf(model, path: Path, arch: str = "llama") -> Path:
+    """The HF model's weights as an F32 GGUF, named and permuted the way llama.cpp's converter writes them."""
+    import gguf
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: llama.cpp writes no output.weight, the embedding serves as the LM head
+        w = t.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{_HF_TO_GGUF_LAYER[rest]}"
+            if rest == "self_attn.q_proj.weight":
+                w = llama_cpp_permute(w, cfg.num_attention_heads)
+            elif rest == "self_attn.k_proj.weight":
+                w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        # numpy's [out, in] is written as GGUF dims (in, out): the writer reverses the order itself.
+        writer.add_tensor(gname, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj))
+    return path

@@ -1,0 +1,311 @@
+"""The Engine on SmolLM2 in fp32: batched paged decode against runs alone, continuous batching, seeded
+sampling, every way a sequence ends, resume from tokens and from exported K/V, preemption, and pools
+too small for a request. Every test ends with every KV block free."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from common.engine import Engine
+from common.kv_cache import KVCache
+from common.model import Llama
+from common.output import FinishReason
+from common.runner import ModelRunner
+from common.sampling import SamplingParams
+from tests.conftest import CHAT_QUESTION, Sinks, run_until_done
+
+N = 16  # tokens per reference run
+BLOCK = 4  # small blocks: every sequence spans many, and crosses block boundaries while decoding
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=N)
+
+TEXTS = {
+    "b": "Once upon a time,",
+    "c": "def add(a, b):\n    return",
+    "d": ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+          "combined movable metal type, oil-based inks and a wooden press adapted from those used for wine. "
+          "Before that, books in Europe were copied by hand"),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer, chat_ids) -> dict[str, list[int]]:
+    p = {"a": chat_ids(CHAT_QUESTION), **{k: smollm2_tokenizer.encode(t) for k, t in TEXTS.items()}}
+    lens = [len(v) for v in p.values()]
+    assert len(set(lens)) == len(lens) and min(lens) < 8 < 40 < max(lens), lens
+    return p
+
+
+def assert_all_free(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.num_active == 0 and not engine.running and not engine.waiting
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def generate(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], **submit_kw) -> Sinks:
+    sinks = Sinks()
+    for seq_id, (ids, params) in requests.items():
+        engine.submit(seq_id, ids, params, sinks.sink(seq_id), **submit_kw)
+    run_until_done(engine, sinks)
+    assert_all_free(engine)
+    return sinks
+
+
+@pytest.fixture(scope="module")
+def alone(make_engine, prompts) -> dict[str, list[int]]:
+    """Each prompt's N greedy tokens, run on its own (batch 1 throughout)."""
+    out = {}
+    for name, ids in prompts.items():
+        sinks = generate(make_engine(num_blocks=64, block_size=BLOCK), {name: (ids, GREEDY)})
+        assert sinks[name].finish_reason == FinishReason.LENGTH
+        out[name] = sinks[name].token_ids
+        assert len(out[name]) == N
+    return out
+
+
+# --------------------------------------------------------------------------- batching
+
+def test_batched_paged_decode_matches_alone(make_engine, prompts, alone):
+    engine = make_engine(num_blocks=64, block_size=BLOCK)
+    sinks = generate(engine, {name: (ids, GREEDY) for name, ids in prompts.items()})
+    assert engine.num_steps == N - 1  # one prefill batch, then every step decodes all four together
+    for name in prompts:
+        assert sinks[name].token_ids == alone[name], name
+        assert sinks[name].finish_reason == FinishReason.LENGTH
+
+
+def test_continuous_batching_join_and_leave(make_engine, prompts, alone):
+    engine = make_engine(num_blocks=64, block_size=BLOCK)
+    # seq_id -> (step it is submitted at, max_tokens)
+    plan = {"a": (0, N), "b": (2, 5), "c": (4, N), "d": (9, 7)}
+    sinks = Sinks()
+    batches = []
+    for step in range(200):
+        for name, (at, max_tokens) in plan.items():
+            if at == step:
+                engine.submit(name, prompts[name], replace(GREEDY, max_tokens=max_tokens), sinks.sink(name))
+        engine.step()
+        engine.check_integrity()
+        batches.append(frozenset(s.seq_id for s in engine.running))
+        if len(sinks) == len(plan) and all(c.done for c in sinks.values()):
+            break
+    assert_all_free(engine)
+    for name, (_, max_tokens) in plan.items():
+        assert sinks[name].token_ids == alone[name][:max_tokens], name
+        assert sinks[name].finish_reason == FinishReason.LENGTH
+    # Sequences really ran together and changed the batch while others were running.
+    assert {"a", "b", "c"} in batches and {"a", "c", "d"} in batches, batches
+    assert batches.index({"a", "c", "d"}) > batches.index({"a", "b", "c"})
+
+
+def test_seeded_sampling_same_alone_and_in_mixed_batch(make_engine, prompts, alone):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=N, ignore_eos=True)
+    solo = generate(make_engine(num_blocks=64, block_size=BLOCK), {"s": (prompts["d"], seeded)})["s"].token_ids
+    assert len(solo) == N
+    assert solo != alone["d"]  # it really sampled (with this seed it leaves the greedy path)
+    mixed = generate(make_engine(num_blocks=64, block_size=BLOCK), {
+        "g": (prompts["a"], GREEDY),
+        "k": (prompts["b"], SamplingParams(temperature=1.3, top_k=5, seed=7, max_tokens=N, ignore_eos=True)),
+        "s": (prompts["d"], seeded),
+        "p": (prompts["c"], SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.3,
+                                           seed=99, max_tokens=N, ignore_eos=True)),
+        "o": (prompts["d"], replace(seeded, seed=4321)),
+    })
+    assert mixed["s"].token_ids == solo
+    assert mixed["g"].token_ids == alone["a"]
+    assert mixed["o"].token_ids != solo  # the seed, not the prompt, decides
+
+
+# --------------------------------------------------------------------------- how sequences end
+
+def test_stop_string_cuts_text_before_it(make_engine, prompts, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    engine = make_engine(num_blocks=64, block_size=BLOCK)
+    sinks = generate(engine, {
+        "one_token": (prompts["a"], replace(GREEDY, max_tokens=32, stop=("Paris",))),
+        "across_tokens": (prompts["a"], replace(GREEDY, max_tokens=32, stop=("of Fr", "never said"))),
+        "absent": (prompts["a"], replace(GREEDY, max_tokens=8, stop=("Berlin",))),
+    })
+    assert sinks["one_token"].finish_reason == FinishReason.STOP
+    assert sinks["one_token"].text == "The capital of France is "
+    assert tok.decode(sinks["one_token"].token_ids).endswith(" Paris")  # stopped at the token that completed it
+    assert sinks["across_tokens"].finish_reason == FinishReason.STOP
+    assert sinks["across_tokens"].text == "The capital "
+    assert sinks["absent"].finish_reason == FinishReason.LENGTH
+    assert len(sinks["absent"].token_ids) == 8
+    assert sinks["absent"].text == tok.decode(sinks["absent"].token_ids, skip_special=True)
+
+
+def test_stop_token_ids_max_tokens_and_eos(make_engine, prompts, alone, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    greedy = alone["a"]
+    assert tok.decode(greedy[:8]) == "The capital of France is Paris.<|im_end|>" and greedy[7] == tok.eos_id
+    stop_id = greedy[3]  # " France"
+    engine = make_engine(num_blocks=64, block_size=BLOCK)
+    sinks = generate(engine, {
+        "stop_id": (prompts["a"], replace(GREEDY, max_tokens=32, stop_token_ids=(stop_id,))),
+        "length": (prompts["a"], replace(GREEDY, max_tokens=5)),
+        "eos": (prompts["a"], SamplingParams(temperature=0.0, max_tokens=32)),
+    })
+    # The stop token is reported (its id ends the sequence) but its text is not emitted.
+    assert sinks["stop_id"].finish_reason == FinishReason.STOP
+    assert sinks["stop_id"].token_ids == greedy[:4]
+    assert sinks["stop_id"].text == "The capital of"
+    assert sinks["length"].finish_reason == FinishReason.LENGTH
+    assert sinks["length"].token_ids == greedy[:5]
+    assert sinks["length"].text == tok.decode(greedy[:5])
+    assert sinks["eos"].finish_reason == FinishReason.STOP
+    assert sinks["eos"].token_ids == greedy[:8]
+    assert sinks["eos"].text == "The capital of France is Paris."
+
+
+def test_context_window_ends_with_length(smollm2_weights, smollm2_tokenizer, prompts, alone):
+    # The same weights with a context only 3 tokens longer than the prompt: 3 tokens, whatever max_tokens.
+    w = smollm2_weights
+    config = replace(w.config, max_position=len(prompts["d"]) + 3)
+    model = Llama(config, w.tensors, dtype=torch.float32)
+    engine = Engine(ModelRunner(model, KVCache(config, 64, BLOCK, torch.float32), 0), smollm2_tokenizer)
+    sinks = generate(engine, {"d": (prompts["d"], replace(GREEDY, max_tokens=100))})
+    assert sinks["d"].finish_reason == FinishReason.LENGTH
+    assert sinks["d"].token_ids == alone["d"][:3]
+
+
+def test_cancel_running_and_waiting(make_engine, prompts):
+    engine = make_engine(num_blocks=64, block_size=BLOCK)
+    sinks = Sinks()
+    engine.submit("run", prompts["d"], replace(GREEDY, max_tokens=200), sinks.sink("run"))
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.num_used_blocks > 0
+    engine.cancel("run")
+    engine.submit("wait", prompts["b"], GREEDY, sinks.sink("wait"))
+    engine.cancel("wait")  # cancelled before it was ever scheduled
+    engine.cancel("unknown")  # no such sequence: nothing happens
+    engine.step()
+    assert sinks["run"].finish_reason == FinishReason.CANCELLED
+    assert len(sinks["run"].token_ids) == 4  # prefill's token, then one per step
+    assert sinks["wait"].finish_reason == FinishReason.CANCELLED and sinks["wait"].token_ids == []
+    assert_all_free(engine)
+    # The engine serves on after cancellations.
+    after = generate(engine, {"next": (prompts["b"], replace(GREEDY, max_tokens=3))})
+    assert len(after["next"].token_ids) == 3
+
+
+def test_started_engine_streams_and_stop_cancels(make_engine, prompts, alone):
+    engine = make_engine(num_blocks=64, block_size=BLOCK).start()
+    sinks = Sinks()
+    done = threading.Event()
+    first = sinks.sink("short")
+
+    def short_sink(event):
+        first(event)
+        if event.finish_reason is not None:
+            done.set()
+
+    try:
+        engine.submit("long", prompts["d"], replace(GREEDY, max_tokens=10_000), sinks.sink("long"))
+        engine.submit("short", prompts["b"], replace(GREEDY, max_tokens=4), short_sink)
+        assert done.wait(60), "the engine thread did not finish a 4-token request in 60 s"
+    finally:
+        engine.stop()
+    assert sinks["short"].token_ids == alone["b"][:4]
+    assert sinks["long"].finish_reason == FinishReason.CANCELLED and sinks["long"].error == "engine stopped"
+    assert_all_free(engine)
+
+
+# --------------------------------------------------------------------------- resume
+
+def test_resume_from_output_ids(make_engine, prompts, alone):
+    engine = make_engine(num_blocks=64, block_size=BLOCK)
+    k = 5
+    resumed = Sinks()
+    for name in ("a", "d"):
+        engine.submit(name, prompts[name], GREEDY, resumed.sink(name), output_ids=alone[name][:k])
+    run_until_done(engine, resumed)
+    assert_all_free(engine)
+    for name in ("a", "d"):
+        # max_tokens counts the earlier tokens too: the resumed run adds the missing N - k.
+        assert resumed[name].token_ids == alone[name][k:], name
+        assert resumed[name].finish_reason == FinishReason.LENGTH
+
+
+def test_resume_already_finished_output_ids(make_engine, prompts, alone):
+    engine = make_engine(num_blocks=64, block_size=BLOCK)
+    sinks = Sinks()
+    engine.submit("a", prompts["a"], replace(GREEDY, max_tokens=3), sinks.sink("a"), output_ids=alone["a"][:3])
+    assert sinks["a"].finish_reason == FinishReason.LENGTH and sinks["a"].token_ids == []
+    assert engine.num_active == 0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=N,
+                                                           ignore_eos=True)], ids=["greedy", "seeded"])
+def test_resume_from_exported_kv(make_engine, prompts, params):
+    """What the split does: a prefill-only engine samples the first token and exports the K/V, a decode
+    engine imports it and continues; the tokens equal one uninterrupted run."""
+    names = ("a", "d")
+    whole = generate(make_engine(num_blocks=64, block_size=BLOCK), {n: (prompts[n], params) for n in names})
+    prefill = make_engine(num_blocks=64, block_size=BLOCK, prefill_only=True)
+    exported = generate(prefill, {n: (prompts[n], params) for n in names})
+    decode = make_engine(num_blocks=64, block_size=BLOCK)
+    sinks = Sinks()
+    for n in names:
+        event = exported[n].events[-1]
+        assert event.finish_reason is None and len(exported[n].events) == 1
+        assert event.token_ids == whole[n].token_ids[:1]
+        assert event.kv.shape[2] == len(prompts[n])  # every prompt token, not the sampled one
+        decode.submit(n, prompts[n], params, sinks.sink(n), output_ids=event.token_ids, kv=event.kv)
+    # No prefill on the decode side: the first step already decodes both.
+    decode.step()
+    assert sorted(len(sinks[n].token_ids) for n in names) == [1, 1]
+    run_until_done(decode, sinks)
+    assert_all_free(decode)
+    for n in names:
+        assert sinks[n].token_ids == whole[n].token_ids[1:], n
+        assert sinks[n].finish_reason == FinishReason.LENGTH
+
+
+# --------------------------------------------------------------------------- small pools
+
+def test_preemption_recomputes_same_tokens(make_engine, prompts, alone, caplog):
+    # The four sequences need 12 + 6 + 7 + 17 = 42 blocks of 4 at the end; 24 hold the largest alone.
+    need = {n: -(-(len(ids) + N) // BLOCK) for n, ids in prompts.items()}
+    num_blocks = max(need.values()) + 4
+    assert sum(need.values()) > num_blocks + 8
+    engine = make_engine(num_blocks=num_blocks, block_size=BLOCK)
+    with caplog.at_level(logging.WARNING, logger="common.engine"):
+        sinks = generate(engine, {name: (ids, GREEDY) for name, ids in prompts.items()})
+    assert "preempting" in caplog.text
+    for name in prompts:
+        assert sinks[name].token_ids == alone[name], name
+        assert sinks[name].finish_reason == FinishReason.LENGTH
+
+
+def test_prompt_too_big_for_pool_errors_and_others_are_served(make_engine, prompts, alone):
+    # 10 blocks of 4 = 40 tokens: "d" alone needs 17 blocks; "b" and "c" fit together.
+    engine = make_engine(num_blocks=10, block_size=BLOCK)
+    short = replace(GREEDY, max_tokens=8)
+    sinks = generate(engine, {"b": (prompts["b"], short), "d": (prompts["d"], short), "c": (prompts["c"], short)})
+    assert sinks["d"].finish_reason == FinishReason.ERROR
+    assert sinks["d"].token_ids == []
+    assert f"prompt of {len(prompts['d'])} tokens" in sinks["d"].error and "KV blocks" in sinks["d"].error
+    assert sinks["b"].token_ids == alone["b"][:8] and sinks["c"].token_ids == alone["c"][:8]
+    after = generate(engine, {"b2": (prompts["b"], short)})
+    assert after["b2"].token_ids == alone["b"][:8]
+
+
+def test_imported_kv_too_big_for_pool_errors_and_others_are_served(make_engine, prompts, alone):
+    """A decode engine whose pool cannot hold an arriving sequence must fail it, not hold it forever
+    at the head of the queue (where it also blocks every request behind it)."""
+    prefill = make_engine(num_blocks=64, block_size=BLOCK, prefill_only=True)
+    exported = generate(prefill, {"d": (prompts["d"], GREEDY)})["d"].events[-1]
+    decode = make_engine(num_blocks=10, block_size=BLOCK)
+    sinks = Sinks()
+    decode.submit("d", prompts["d"], GREEDY, sinks.sink("d"), output_ids=exported.token_ids, kv=exported.kv)
+    decode.submit("b", prompts["b"], replace(GREEDY, max_tokens=8), sinks.sink("b"))
+    run_until_done(decode, sinks, max_steps=100)
+    assert sinks["d"].finish_reason == FinishReason.ERROR and "KV blocks" in sinks["d"].error
+    assert sinks["b"].token_ids == alone["b"][:8]
+    assert_all_free(decode)

@@ -1,0 +1,111 @@
+"""Our Llama against HF transformers on the same SmolLM2 GGUF: logits in fp32, greedy continuations through
+the Engine (batched, paged decode), and bf16 (with and without the int4 path) against our own fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.output import FinishReason
+from common.runner import PrefillItem
+from common.sampling import SamplingParams
+from tests.conftest import CHAT_QUESTION, Sinks, hf_greedy, run_until_done
+
+GREEDY_32 = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32)
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden press adapted from those used for wine and olive oil. "
+    "Before that, books in Europe were copied by hand, mostly in monasteries, and a single Bible could take "
+    "a scribe more than a year. The new method made it possible to print hundreds of identical copies in "
+    "the time it had taken to write one, and within fifty years presses were running in more than two "
+    "hundred cities. Prices fell, literacy rose, and ideas spread faster than any authority could control "
+    "them. Scholars could compare the same text across cities, errors could be corrected in a second "
+    "edition, and scientific results could be checked by readers far away. Pamphlets carried arguments "
+    "about religion and politics to people who had never owned a book. Some historians argue that the "
+    "Reformation, the Scientific Revolution and the rise of the modern state would all have looked very "
+    "different without it. Others point out that printing in East Asia, with woodblocks and later with "
+    "movable type made of clay, wood or bronze, is centuries older, and that the European press succeeded "
+    "because an alphabet of a few dozen letters suits movable type far better than thousands of characters. "
+    "Summarise this passage in one sentence:"
+)
+
+
+def _logit_prompts(tok, chat_ids) -> dict[str, list[int]]:
+    return {
+        "one_token": tok.encode("Hello"),
+        "short": tok.encode("The quick brown fox jumps over the lazy dog."),
+        "chat": chat_ids(CHAT_QUESTION),
+        "long": tok.encode(LONG_TEXT),
+    }
+
+
+def test_last_position_logits_match_hf(make_runner, hf_smollm2, smollm2_tokenizer, chat_ids):
+    prompts = _logit_prompts(smollm2_tokenizer, chat_ids)
+    lens = sorted(len(p) for p in prompts.values())
+    assert lens[0] == 1 and 250 <= lens[-1] <= 400, lens
+    runner = make_runner(num_blocks=64)
+    pool = runner.cache.pool
+    # All four prompts in one prefill batch: variable-length causal attention over flattened tokens.
+    for name, ids in prompts.items():
+        pool.allocate(name, len(ids))
+    ours = runner.prefill([PrefillItem(name, ids) for name, ids in prompts.items()])  # [4, V]
+    assert ours.dtype == torch.float32 and ours.shape == (4, runner.model.config.vocab_size)
+    for row, (name, ids) in enumerate(prompts.items()):
+        with torch.inference_mode():
+            ref = hf_smollm2(torch.tensor([ids])).logits[0, -1].float()
+        diff = (ours[row] - ref).abs().max().item()
+        assert diff <= 1e-3, f"{name} ({len(ids)} tokens): max |logit diff| = {diff}"
+        assert ours[row].argmax().item() == ref.argmax().item(), name
+
+
+GREEDY_PROMPTS = [
+    ("chat", CHAT_QUESTION),
+    ("chat", "Write a haiku about the sea."),
+    ("chat", "List three prime numbers and explain why they are prime."),
+    ("chat", "Translate 'good morning' into French and Spanish."),
+    ("text", "Once upon a time, in a small village by the river,"),
+    ("text", "def fibonacci(n):\n    "),
+    ("text", "1, 2, 3, 4, 5,"),
+    ("text", "Paris is the capital of France. Berlin is the capital of"),
+    ("text", "In 1969, the first humans landed on the Moon. The mission was called"),
+    ("text", "Q"),
+]
+
+
+def test_greedy_continuations_match_hf_generate(make_engine, hf_smollm2, smollm2_tokenizer, chat_ids):
+    tok = smollm2_tokenizer
+    prompts = [chat_ids(p) if kind == "chat" else tok.encode(p) for kind, p in GREEDY_PROMPTS]
+    assert len({len(p) for p in prompts}) >= 8  # lengths differ: decode pads and masks the batch
+    engine = make_engine(num_blocks=128)
+    sinks = Sinks()
+    for i, ids in enumerate(prompts):
+        engine.submit(f"s{i}", ids, GREEDY_32, sinks.sink(f"s{i}"))
+    run_until_done(engine, sinks)
+    # One prefill batch and then one shared decode batch: every prompt ran batched, none alone.
+    assert engine.num_steps <= 33, engine.num_steps
+    engine.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    for i, ids in enumerate(prompts):
+        got = sinks[f"s{i}"]
+        assert got.finish_reason == FinishReason.LENGTH
+        expected = hf_greedy(hf_smollm2, ids, 32)
+        assert got.token_ids == expected, (f"prompt {i} {GREEDY_PROMPTS[i]!r}: ours {tok.decode(got.token_ids)!r} "
+                                           f"vs HF {tok.decode(expected)!r}")
+
+
+def _first_greedy_tokens(make_engine, ids: list[int], n: int, **engine_kw) -> list[int]:
+    engine = make_engine(num_blocks=16, **engine_kw)
+    sinks = Sinks()
+    engine.submit("q", ids, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n), sinks.sink("q"))
+    run_until_done(engine, sinks)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    return sinks["q"].token_ids
+
+
+@pytest.mark.parametrize("int4_max_batch", [0, 4], ids=["bf16", "bf16+int4"])
+def test_bf16_greedy_matches_fp32(make_engine, smollm2_tokenizer, chat_ids, int4_max_batch):
+    ids = chat_ids(CHAT_QUESTION)
+    fp32 = _first_greedy_tokens(make_engine, ids, 8)
+    assert smollm2_tokenizer.decode(fp32).startswith("The capital of France is Paris")
+    bf16 = _first_greedy_tokens(make_engine, ids, 8, dtype=torch.bfloat16, int4_max_batch=int4_max_batch)
+    assert bf16 == fp32, f"bf16: {smollm2_tokenizer.decode(bf16)!r}, fp32: {smollm2_tokenizer.decode(fp32)!r}"
