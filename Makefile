@@ -31,6 +31,7 @@ test: protos
 
 bench: protos
 	$(PY) -m common.bench $(ARGS)
+	$(PY) -m router.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2*.pyi
