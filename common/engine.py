@@ -175,6 +175,10 @@ class Engine:
         while self.waiting and len(self.running) + len(batch) < self.config.max_running:
             seq = self.waiting[0]
             if seq.kv is not None:
+                if self.pool.blocks_for(seq.num_tokens) > self.pool.num_blocks:
+                    self.waiting.popleft()
+                    self._finish(seq, FinishReason.ERROR, error=self._too_big(seq.num_tokens))
+                    continue
                 if not self.pool.can_allocate(seq.num_tokens):
                     break
                 self.waiting.popleft()
@@ -190,9 +194,7 @@ class Engine:
             if not self.pool.can_allocate(n + 1):
                 if not batch and not self.running:
                     self.waiting.popleft()
-                    self._finish(seq, FinishReason.ERROR, error=(
-                        f"prompt of {n} tokens needs {self.pool.blocks_for(n + 1)} KV blocks; "
-                        f"the pool has {self.pool.num_blocks}"))
+                    self._finish(seq, FinishReason.ERROR, error=self._too_big(n + 1))
                     continue
                 break
             self.waiting.popleft()
@@ -215,14 +217,23 @@ class Engine:
                 self._emit(seq, tok)
         return True
 
+    def _too_big(self, num_tokens: int) -> str:
+        return (f"a sequence of {num_tokens} tokens needs {self.pool.blocks_for(num_tokens)} KV blocks; "
+                f"the whole pool has {self.pool.num_blocks}")
+
     def _decode_step(self) -> None:
-        # Grow every table by the slot its next token needs; preempt the newest on shortage.
-        for seq in list(reversed(self.running)):
-            pos = seq.num_tokens - 1
-            if not self.pool.can_grow(seq.seq_id, pos + 1):
-                self._preempt(seq)
+        # Grow every table, oldest first, by the slot its next token needs; on shortage evict the
+        # newest (it has the least work to recompute) until the older one fits.
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # evicted below for an older sequence
+            need = seq.num_tokens
+            while not self.pool.can_grow(seq.seq_id, need) and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+            if self.pool.can_grow(seq.seq_id, need):
+                self.pool.grow(seq.seq_id, need)
             else:
-                self.pool.grow(seq.seq_id, pos + 1)
+                self._preempt(seq)
         if not self.running:
             return
         batch = list(self.running)

@@ -92,13 +92,17 @@ class BlockPool:
 
 
 class KVCache:
-    """The K/V tensors behind a BlockPool: [layers, 2, num_blocks * block_size, kv_heads, head_dim]."""
+    """The K/V tensors behind a BlockPool: [layers, num_blocks * block_size, 2, kv_heads, head_dim].
+
+    K and V of a slot sit side by side, so a layer writes a step's K/V in one op and a decode
+    step gathers a context's K/V in one op. The wire layout is [layers, 2, tokens, ...].
+    """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
-        self.kv = torch.zeros(config.num_layers, 2, num_blocks * block_size, config.num_kv_heads,
+        self.kv = torch.zeros(config.num_layers, num_blocks * block_size, 2, config.num_kv_heads,
                               config.head_dim, dtype=dtype, device=device)
 
     @property
@@ -114,11 +118,11 @@ class KVCache:
         """A copy of one sequence's K/V: [layers, 2, num_tokens, kv_heads, head_dim]."""
         idx = torch.tensor(self.slots(self.pool.block_table(seq_id), 0, num_tokens),
                            dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(2, idx)
+        return self.kv.index_select(1, idx).transpose(1, 2).contiguous()
 
     def import_seq(self, seq_id: str, kv: torch.Tensor) -> None:
         """Write a sequence's K/V (already allocated in the pool) into its blocks."""
         num_tokens = kv.shape[2]
         idx = torch.tensor(self.slots(self.pool.block_table(seq_id), 0, num_tokens),
                            dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(2, idx, kv.to(self.kv.dtype))
+        self.kv.index_copy_(1, idx, kv.to(self.kv.dtype).transpose(1, 2))

@@ -136,7 +136,7 @@ class Llama(torch.nn.Module):
         return F.rms_norm(x, (x.shape[-1],), weight_fp32, self.config.rms_norm_eps).to(self.dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [N, heads, D]; cos/sin: [N, 1, D]
+        # x: [N, heads, D]; cos/sin: [N, 1, D] (HF's rotate_half convention)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -144,7 +144,7 @@ class Llama(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext,
                 kv: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [N]; kv: [layers, 2, slots, Hkv, D]. Returns hidden states [N, dim]."""
+        """input_ids, positions: [N]; kv: [layers, slots, 2, Hkv, D]. Returns fp32 hidden states [N, dim]."""
         c = self.config
         n = input_ids.shape[0]
         # The residual stream stays fp32 (adds promote for free); only matmul inputs are 16-bit.
@@ -153,19 +153,18 @@ class Llama(torch.nn.Module):
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
-            qkv = self._linear(x, layer, "wqkv", ctx.use_int4)
+            qkv = self._linear(x, layer, "wqkv", ctx.use_int4)  # [N, (H + 2 Hkv) * D]
+            # Rotate q and k together, in place, so K and V sit side by side for one cache write.
+            qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+            qk.copy_(self._rotate(qk, cos, sin))
             q = qkv[:, :self.q_size].view(n, c.num_heads, c.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, c.num_kv_heads, c.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(n, c.num_kv_heads, c.head_dim)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
-            k_cache, v_cache = kv[i, 0], kv[i, 1]  # [slots, Hkv, D]
-            k_cache.index_copy_(0, ctx.slot_mapping, k)
-            v_cache.index_copy_(0, ctx.slot_mapping, v)
+            new_kv = qkv[:, self.q_size:].view(n, 2, c.num_kv_heads, c.head_dim)
+            layer_kv = kv[i]  # [slots, 2, Hkv, D]
+            layer_kv.index_copy_(0, ctx.slot_mapping, new_kv)
             if ctx.prefill_lens is not None:
-                o = self._prefill_attention(q, k, v, ctx.prefill_lens)
+                o = self._prefill_attention(q, new_kv[:, 0], new_kv[:, 1], ctx.prefill_lens)
             else:
-                o = self._decode_attention(q, k_cache, v_cache, ctx)
+                o = self._decode_attention(q, layer_kv, ctx)
             h = h + self._linear(o.reshape(n, self.q_size), layer, "wo", ctx.use_int4)
             x = self._rms_norm(h, layer["mlp_norm"])
             gate, up = self._linear(x, layer, "w13", ctx.use_int4).chunk(2, dim=-1)
@@ -186,12 +185,13 @@ class Llama(torch.nn.Module):
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode_attention(self, q, k_cache, v_cache, ctx: AttnContext) -> torch.Tensor:
+    def _decode_attention(self, q, layer_kv, ctx: AttnContext) -> torch.Tensor:
         c = self.config
         bsz = q.shape[0]
-        # One contiguous gather of every sequence's context: [B, Hkv, S, D].
-        kb = k_cache.index_select(0, ctx.context_slots).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        vb = v_cache.index_select(0, ctx.context_slots).view(bsz, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        # One gather of every sequence's context, K and V together: [B, S, 2, Hkv, D].
+        ctx_kv = layer_kv.index_select(0, ctx.context_slots).view(bsz, -1, 2, c.num_kv_heads, c.head_dim)
+        kb = ctx_kv[:, :, 0].transpose(1, 2)  # [B, Hkv, S, D]
+        vb = ctx_kv[:, :, 1].transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=ctx.attn_mask, enable_gqa=True)
         return o.squeeze(2)  # [B, H, D]
 

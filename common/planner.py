@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -55,9 +56,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tokens", type=int, default=2048, help="sequence length for the per-sequence figures")
     args = p.parse_args(argv)
+    if not math.isfinite(args.memory_gib):
+        p.error(f"--memory-gib must be a finite number, got {args.memory_gib}")
     if args.model:
-        from common.weights import read_model_config
-        cfg = read_model_config(args.model)
+        from common.models import ModelNotFoundError
+        from common.weights import ModelLoadError, read_model_config
+        try:
+            cfg = read_model_config(args.model)
+        except (ModelNotFoundError, ModelLoadError) as exc:
+            p.error(str(exc))
         shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     elif None in (args.layers, args.kv_heads, args.head_dim):
         p.error("give --model, or all of --layers, --kv-heads and --head-dim")

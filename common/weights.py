@@ -242,8 +242,11 @@ def hf_config(folder: Path) -> ModelConfig:
     if model_type not in ("llama", "mistral"):
         raise ModelLoadError(f"{cfg_path}: model_type {model_type!r} is not supported "
                              f"(supported: 'llama', 'mistral')")
-    if cfg.get("rope_scaling"):
-        raise ModelLoadError(f"{cfg_path}: rope_scaling {cfg['rope_scaling']} is not supported yet")
+    # transformers 5 writes rope settings into rope_parameters, older versions into rope_scaling.
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ModelLoadError(f"{cfg_path}: rotary scaling {rope_type!r} is not supported yet (plain RoPE only)")
     num_heads = int(cfg["num_attention_heads"])
     return ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
@@ -253,7 +256,7 @@ def hf_config(folder: Path) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
-        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=int(cfg.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -271,7 +274,7 @@ def _load_hf_folder(folder: Path, progress: bool) -> LoadedWeights:
                              f"convert them to safetensors)")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        wanted = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        wanted = _index_shards(index)
         missing = [f for f in wanted if not (folder / f).is_file()]
         if missing:
             raise ModelLoadError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
@@ -287,6 +290,13 @@ def _load_hf_folder(folder: Path, progress: bool) -> LoadedWeights:
             tensors[name] = t.float()
     _check_complete(tensors, config, folder)
     return LoadedWeights(config, tensors, file_digest(files), folder)
+
+
+def _index_shards(index: Path) -> list[str]:
+    try:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{index}: not a valid safetensors index ({type(exc).__name__}: {exc})") from exc
 
 
 def _check_complete(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
@@ -330,7 +340,7 @@ def weights_id_of(name_or_path: str | Path) -> str:
     path = resolve_model_path(name_or_path)
     if path.is_dir():
         index = path / "model.safetensors.index.json"
-        files = ([path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        files = ([path / f for f in _index_shards(index)]
                  if index.is_file() else sorted(path.glob("*.safetensors")))
         return file_digest(files)
     return file_digest([path])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 
@@ -57,7 +58,7 @@ class DecodeWorker(WorkerBase):
 
     def _bind_extra(self, server) -> None:
         # Decode's KV port is its own, so a NetworkPolicy can open it to prefill pods alone.
-        self.kv_port = grpc_util.bind(server, self.config.host, self.config.kv_port)
+        self.kv_port = grpc_util.bind(server, self.config.host, self.config.kv_port, self.server_credentials)
 
     @property
     def kv_address(self) -> str:
@@ -75,11 +76,16 @@ class DecodeWorker(WorkerBase):
         return WorkerInfo(worker_id=wid, role="decode", address=self.address, kv_address=self.kv_address,
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=len(self.engine.running),
-                          num_waiting=len(self.engine.waiting) + self.inbox.num_parked, started_at=self.started_at,
+                          num_waiting=len(self.engine.waiting), started_at=self.started_at,
                           block_size=self.config.block_size)
 
     def max_kv_bytes(self) -> int:
-        return self.fingerprint().kv_bytes(self.model.config.max_position)
+        # The largest push a Decode could use: a prompt that fits the context and, with the token
+        # decode feeds next, the whole pool. Anything larger is refused at its header, before its
+        # buffer is allocated.
+        pool = self.engine.pool
+        max_tokens = min(self.model.config.max_position, pool.num_blocks * pool.block_size) - 1
+        return self.fingerprint().kv_bytes(max_tokens)
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
@@ -106,6 +112,17 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
         if request.num_generated >= len(ids):
             raise ValueError(f"num_generated ({request.num_generated}) must be less than the "
                              f"{len(ids)} tokens of prompt_ids")
+        # NaN would make the KV wait below endless; a negative wait is a caller's bug, not a timeout.
+        if not (math.isfinite(request.kv_wait_s) and request.kv_wait_s >= 0):
+            raise ValueError(f"kv_wait_s must be a finite number of seconds > 0 (0: this worker's "
+                             f"default), got {request.kv_wait_s}")
+        pool = w.engine.pool
+        # The engine admits sequences in order: one that can never fit would wait at the head of
+        # its queue forever, and every sequence behind it with it.
+        if pool.blocks_for(len(ids) + 1) > pool.num_blocks:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{rid} needs KV for {len(ids) + 1} tokens, more than this worker's whole "
+                               f"pool of {pool.num_blocks * pool.block_size} tokens")
         split = len(ids) - request.num_generated
         prompt, earlier = ids[:split], ids[split:]
         # Whatever ends this call (client gone, deadline), the KV must not be admitted later.

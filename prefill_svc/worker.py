@@ -54,7 +54,8 @@ class PrefillWorker(WorkerBase):
         with self._channels_lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc_util.channel(address)
+                ch = self._channels[address] = grpc_util.channel(
+                    address, credentials=self.channel_credentials, server_name=self.config.tls.server_name)
         return internal_pb2_grpc.KVTransferStub(ch)
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
@@ -97,8 +98,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
         metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
         yield internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken(
             token_id=ev.token_ids[0], prefill_s=prefill_s))
-        # The first token is on its way to the client; now ship the prompt's K/V to decode.
-        yield internal_pb2.PrefillEvent(transfer_done=self._push(rid, ev.kv, target, context))
+        # The first token is on its way to the client; now ship the prompt's K/V to decode —
+        # unless the router already hung up (the request ended at its first token).
+        if context.is_active():
+            yield internal_pb2.PrefillEvent(transfer_done=self._push(rid, ev.kv, target, context))
 
     def _push(self, rid: str, kv, target, context) -> internal_pb2.TransferDone:
         w = self.w

@@ -114,8 +114,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             generation_config=config)
+        input_ids = torch.tensor([prompt_ids])
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
     new = out[0, len(prompt_ids):].tolist()
     assert len(new) == max_new_tokens, f"HF stopped after {len(new)} tokens"
     return new

@@ -283,6 +283,29 @@ def test_preemption_recomputes_same_tokens(make_engine, prompts, alone, caplog):
         assert sinks[name].finish_reason == FinishReason.LENGTH
 
 
+def test_preemption_evicts_the_newest(make_engine, prompts, caplog):
+    """engine.py says "preempt the newest on shortage": the sequence admitted last loses its K/V, so
+    the oldest (with the most tokens to recompute) keeps going."""
+    need = {n: -(-(len(ids) + N) // BLOCK) for n, ids in prompts.items()}
+    engine = make_engine(num_blocks=max(need.values()) + 4, block_size=BLOCK)
+    sinks = Sinks()
+    with caplog.at_level(logging.WARNING, logger="common.engine"):
+        for name, ids in prompts.items():  # admitted together, in this order: "d" is the newest
+            engine.submit(name, ids, GREEDY, sinks.sink(name))
+        for _ in range(N):
+            running = [s.seq_id for s in engine.running]  # admission order, oldest first
+            engine.step()
+            victims = [r.args[0] for r in caplog.records if "preempting" in r.getMessage()]
+            if victims:
+                break
+    for name in prompts:
+        engine.cancel(name)
+    engine.step()
+    assert_all_free(engine)
+    assert len(running) > 1 and victims and victims[0] == running[-1], \
+        f"preempted {victims}, running in admission order {running}"
+
+
 def test_prompt_too_big_for_pool_errors_and_others_are_served(make_engine, prompts, alone):
     # 10 blocks of 4 = 40 tokens: "d" alone needs 17 blocks; "b" and "c" fit together.
     engine = make_engine(num_blocks=10, block_size=BLOCK)
@@ -290,7 +313,7 @@ def test_prompt_too_big_for_pool_errors_and_others_are_served(make_engine, promp
     sinks = generate(engine, {"b": (prompts["b"], short), "d": (prompts["d"], short), "c": (prompts["c"], short)})
     assert sinks["d"].finish_reason == FinishReason.ERROR
     assert sinks["d"].token_ids == []
-    assert f"prompt of {len(prompts['d'])} tokens" in sinks["d"].error and "KV blocks" in sinks["d"].error
+    assert f"sequence of {len(prompts['d']) + 1} tokens" in sinks["d"].error and "KV blocks" in sinks["d"].error
     assert sinks["b"].token_ids == alone["b"][:8] and sinks["c"].token_ids == alone["c"][:8]
     after = generate(engine, {"b2": (prompts["b"], short)})
     assert after["b2"].token_ids == alone["b"][:8]

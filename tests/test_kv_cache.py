@@ -174,6 +174,7 @@ def _fragmented_cache(dtype=torch.float32) -> KVCache:
 
 
 def test_export_import_round_trip():
+    """Through the public API only, so the test holds for any internal layout of `kv`."""
     torch.manual_seed(0)
     src = _fragmented_cache()
     src.kv.normal_()
@@ -182,24 +183,22 @@ def test_export_import_round_trip():
     assert table != list(range(table[0], table[0] + len(table)))  # scattered, as a busy pool hands them out
     kv = src.export_seq("s", num_tokens)
     assert kv.shape == (TINY.num_layers, 2, num_tokens, TINY.num_kv_heads, TINY.head_dim)
-    # Position p of the sequence is slot table[p // B] * B + p % B.
-    for p in (0, 3, 4, 7, 10):
-        slot = table[p // BLOCK] * BLOCK + p % BLOCK
-        assert torch.equal(kv[:, :, p], src.kv[:, :, slot])
+    assert torch.equal(src.export_seq("s", 5), kv[:, :, :5])  # position p is the same slot however many
     kv_copy = kv.clone()
     src.kv.zero_()  # export is a copy, not a view of the cache
     assert torch.equal(kv, kv_copy)
 
     dst = KVCache(TINY, num_blocks=10, block_size=BLOCK, dtype=torch.float32)
+    other = torch.randn(TINY.num_layers, 2, 6, TINY.num_kv_heads, TINY.head_dim)
     dst.pool.allocate("other", 6)
+    dst.import_seq("other", other)
     dst.pool.allocate("s", num_tokens + 1)
     assert dst.pool.block_table("s") != table
     dst.import_seq("s", kv)
     assert torch.equal(dst.export_seq("s", num_tokens), kv)
-    # Nothing outside the sequence's slots was written.
-    written = set(dst.slots(dst.pool.block_table("s"), 0, num_tokens))
-    untouched = [i for i in range(dst.kv.shape[2]) if i not in written]
-    assert torch.count_nonzero(dst.kv[:, :, untouched]) == 0
+    assert torch.equal(dst.export_seq("other", 6), other)  # a neighbour's K/V is untouched
+    # Nothing but the two sequences' tokens was written (random values are nonzero).
+    assert torch.count_nonzero(dst.kv) == kv.numel() + other.numel()
 
 
 def test_import_converts_dtype():

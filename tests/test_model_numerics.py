@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.kv_cache import KVCache
+from common.model import AttnContext, Llama
 from common.output import FinishReason
 from common.runner import PrefillItem
 from common.sampling import SamplingParams
@@ -109,3 +111,23 @@ def test_bf16_greedy_matches_fp32(make_engine, smollm2_tokenizer, chat_ids, int4
     assert smollm2_tokenizer.decode(fp32).startswith("The capital of France is Paris")
     bf16 = _first_greedy_tokens(make_engine, ids, 8, dtype=torch.bfloat16, int4_max_batch=int4_max_batch)
     assert bf16 == fp32, f"bf16: {smollm2_tokenizer.decode(bf16)!r}, fp32: {smollm2_tokenizer.decode(fp32)!r}"
+
+
+def test_bf16_logits_refine_the_top_candidates(smollm2_model, smollm2_tokenizer, chat_ids):
+    """In bf16 the best logits of every row are the exact fp32 ones, so greedy never turns on bf16
+    rounding: checked at every position of a long prompt (hundreds of rows, some near-ties). Only the
+    best 8 are compared: past them an unrefined logit may outrank a refined one (REFINE_TOP is 64)."""
+    model = smollm2_model(torch.bfloat16)
+    ids = chat_ids(LONG_TEXT)
+    n = len(ids)
+    cache = KVCache(model.config, num_blocks=-(-n // 16), block_size=16, dtype=torch.bfloat16)
+    cache.pool.allocate("x", n)
+    ctx = AttnContext(slot_mapping=torch.tensor(cache.slots(cache.pool.block_table("x"), 0, n)), prefill_lens=[n])
+    hidden = model(torch.tensor(ids), torch.arange(n), ctx, cache.kv)  # [N, dim] fp32
+    assert hidden.dtype == torch.float32
+    logits = model.logits(hidden)  # [N, V]
+    exact = hidden @ model.lm_head_fp32.T  # [N, V]: the fp32 LM head on the same hidden states
+    assert Llama.REFINE_TOP >= 8
+    top = logits.topk(8, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))

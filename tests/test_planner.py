@@ -23,9 +23,8 @@ def test_grok1_8k_sequence_is_2_gib():
     assert p.max_seqs == 40
 
 
-def test_smollm2_bytes_per_token(smollm2_path):
-    from common.weights import read_model_config
-    config = read_model_config(smollm2_path)
+def test_smollm2_bytes_per_token(smollm2_weights):
+    config = smollm2_weights.config  # read from the GGUF's metadata
     assert (config.num_layers, config.num_kv_heads, config.head_dim) == (30, 3, 64)
     assert kv_bytes_per_token(30, 3, 64, 2) == config.kv_bytes_per_token(2) == 23_040
     assert config.kv_bytes_per_token(4) == 46_080
