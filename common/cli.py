@@ -5,6 +5,8 @@ import argparse
 import os
 import socket
 
+from common.security import TLSConfig
+
 
 def env(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
@@ -31,6 +33,42 @@ def add_common_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port
     add_flag(parser, "--metrics-port", "HANDOFF_METRICS_PORT", metrics_port,
              "Prometheus /metrics HTTP port; 0 = off", int)
     add_flag(parser, "--log-level", "HANDOFF_LOG_LEVEL", "INFO", "logging level")
+    add_tls_flags(parser)
+    add_flag(parser, "--health-port", "HANDOFF_HEALTH_PORT", 0,
+             "a plaintext port serving only grpc.health.v1, for probes that cannot speak TLS; 0 = off", int)
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """PEM files (a mounted Kubernetes Secret); none set = plaintext everywhere."""
+    add_flag(parser, "--tls-cert", "HANDOFF_TLS_CERT", None,
+             "this service's certificate chain: served on its ports and presented as client certificate")
+    add_flag(parser, "--tls-key", "HANDOFF_TLS_KEY", None, "the private key of --tls-cert")
+    add_flag(parser, "--tls-ca", "HANDOFF_TLS_CA", None,
+             "CA bundle that peers' certificates must chain to; internal ports then require client certificates")
+    add_flag(parser, "--tls-server-name", "HANDOFF_TLS_SERVER_NAME", None,
+             "name expected in the certificates of the servers this process calls (they register IPs)")
+
+
+def add_public_tls_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--tls-require-client-cert", "HANDOFF_TLS_REQUIRE_CLIENT_CERT", False,
+             "also require client certificates on the public port (otherwise API keys authenticate)", boolean)
+
+
+def pop_tls_config(args: dict) -> TLSConfig:
+    """The TLS flags of parsed `args` (removed from it) as one TLSConfig."""
+    return TLSConfig(cert=args.pop("tls_cert"), key=args.pop("tls_key"), ca=args.pop("tls_ca"),
+                     server_name=args.pop("tls_server_name"),
+                     require_client_cert=args.pop("tls_require_client_cert", False))
+
+
+def boolean(text: str) -> bool:
+    """A flag's or environment variable's yes/no (1/0, true/false, yes/no, on/off)."""
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +86,16 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
 def redis_password() -> str | None:
     """From the environment only (a Kubernetes Secret), never from a flag that `ps` would show."""
     return env("REDIS_PASSWORD")
+
+
+def redis_username() -> str | None:
+    """The Redis ACL user; unset = the default user (requirepass)."""
+    return env("REDIS_USERNAME")
+
+
+def api_keys_env() -> str | None:
+    """Comma-separated API keys, from the environment only (never a flag that `ps` would show)."""
+    return env("HANDOFF_API_KEYS")
 
 
 def default_host() -> str:

@@ -94,10 +94,12 @@ def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
     context.abort(code, message)
 
 
-def make_server(max_workers: int, *, max_message_bytes: int) -> grpc.Server:
+def make_server(max_workers: int, *, max_message_bytes: int,
+                interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> grpc.Server:
+    """`interceptors` run before the error interceptor (authentication refuses a call first)."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*interceptors, ErrorInterceptor()],
         # Beyond this many calls gRPC answers RESOURCE_EXHAUSTED at once instead of queueing unseen.
         maximum_concurrent_rpcs=max_workers,
         options=[("grpc.max_receive_message_length", max_message_bytes),
@@ -124,11 +126,14 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
         health_servicer.set(name, status)
 
 
-def bind(server: grpc.Server, host: str, port: int) -> int:
-    """Bind an insecure port; port 0 picks a free one. Returns the bound port or raises clearly."""
+def bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind a port, with TLS when credentials are given; port 0 picks a free one.
+
+    Returns the bound port or raises clearly."""
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
     if bound == 0:
@@ -136,8 +141,28 @@ def bind(server: grpc.Server, host: str, port: int) -> int:
     return bound
 
 
-def channel(address: str, *, max_message_bytes: int = MAX_INTERNAL_MESSAGE_BYTES) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        *KEEPALIVE_OPTIONS])
+def serve_health(health_servicer: health.HealthServicer, host: str, port: int) -> grpc.Server:
+    """A second, plaintext server with only grpc.health.v1 (the same servicer, so the same status).
+
+    The kubelet's gRPC probe cannot speak TLS: with TLS on, probes use this port.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"),
+                         maximum_concurrent_rpcs=8, options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bind(server, host, port)
+    server.start()
+    return server
+
+
+def channel(address: str, *, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
+            max_message_bytes: int = MAX_INTERNAL_MESSAGE_BYTES) -> grpc.Channel:
+    """A channel, with TLS when credentials are given; server_name is the name the server's
+    certificate must carry when it differs from the address (workers register IPs)."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes),
+               *KEEPALIVE_OPTIONS]
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.secure_channel(address, credentials, options=options)

@@ -89,9 +89,12 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int | None = None, password: str | None = None,
-                 start_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 10.0, username: str | None = None) -> None:
+        if username and not password:
+            raise ValueError("an ACL user (username) needs a password")
         self.port = port
         self.password = password
+        self.username = username  # an ACL user; the default user is then switched off
         self.start_timeout_s = start_timeout_s
         self.binary = find_server_binary()
         self._proc: subprocess.Popen | None = None
@@ -101,7 +104,8 @@ class EmbeddedRedis:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("EmbeddedRedis has no port until start()")
-        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        user = quote(self.username, safe="") if self.username else ""
+        auth = f"{user}:{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
@@ -133,10 +137,11 @@ class EmbeddedRedis:
         # command line where `ps` would show it to every local user.
         conf_path = Path(self._dir) / "server.conf"
         conf_path.touch(mode=0o600)
-        if self.password:
-            # Hex escapes survive any character in the password (quotes, spaces, newlines).
-            escaped = "".join(f"\\x{b:02x}" for b in self.password.encode())
-            conf_path.write_text(f'requirepass "{escaped}"\n')
+        if self.username:
+            conf_path.write_text(f'user default off\nuser "{_hex(self.username)}" on "{_hex(">" + self.password)}" '
+                                 f'~* &* +@all\n')
+        elif self.password:
+            conf_path.write_text(f'requirepass "{_hex(self.password)}"\n')
         args = [str(self.binary), str(conf_path), "--port", str(port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", self._dir]
         parent_pid = os.getpid()
@@ -153,7 +158,7 @@ class EmbeddedRedis:
         self.port = port
 
     def _wait_ready(self, port: int, log_path: Path) -> None:
-        client = redis.Redis(host="127.0.0.1", port=port, password=self.password,
+        client = redis.Redis(host="127.0.0.1", port=port, username=self.username, password=self.password,
                              socket_timeout=0.5, socket_connect_timeout=0.5, retry=Retry(ExponentialBackoff(), 0))
         deadline = time.monotonic() + self.start_timeout_s
         try:
@@ -205,6 +210,11 @@ class EmbeddedRedis:
         return f"EmbeddedRedis(binary={self.binary}, port={self.port}, running={self.running})"
 
 
+def _hex(text: str) -> str:
+    """Hex escapes for a quoted config-file argument: survive any character (quotes, spaces, newlines)."""
+    return "".join(f"\\x{b:02x}" for b in text.encode())
+
+
 def _tail(log_path: Path, num_chars: int = 2000) -> str:
     try:
         text = log_path.read_text(errors="replace").strip()
@@ -213,11 +223,12 @@ def _tail(log_path: Path, num_chars: int = 2000) -> str:
     return text[-num_chars:] or "(empty server log)"
 
 
-def connect(url: str | None, *, password: str | None = None) -> tuple[redis.Redis, EmbeddedRedis | None]:
+def connect(url: str | None, *, password: str | None = None,
+            username: str | None = None) -> tuple[redis.Redis, EmbeddedRedis | None]:
     """A client for `url`, or for a newly started embedded server when url is None.
 
-    `password` (kept out of URLs in config) wins over one in the URL; with url None it
-    becomes the embedded server's password.
+    `password` (kept out of URLs in config) and `username` (a Redis ACL user) win over those
+    in the URL; with url None they become the embedded server's.
 
     Every call times out after SOCKET_TIMEOUT_S. A connection the server dropped (Redis
     restarted) is replaced on checkout or, failing that, retried once on a fresh socket, so a
@@ -226,7 +237,7 @@ def connect(url: str | None, *, password: str | None = None) -> tuple[redis.Redi
     """
     server = None
     if url is None:
-        server = EmbeddedRedis(password=password).start()
+        server = EmbeddedRedis(password=password, username=username).start()
         url = server.url
     options = dict(decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S,
                    socket_connect_timeout=SOCKET_TIMEOUT_S, health_check_interval=HEALTH_CHECK_INTERVAL_S,
@@ -235,6 +246,8 @@ def connect(url: str | None, *, password: str | None = None) -> tuple[redis.Redi
     options.update(parse_url(url))
     if password is not None:  # an explicit password wins over one in the URL
         options["password"] = password
+    if username is not None:
+        options["username"] = username
     client = redis.Redis(connection_pool=redis.ConnectionPool(**options))
     client.auto_close_connection_pool = True  # close() also closes the pool, as from_url does
     return client, server

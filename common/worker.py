@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from common import cli
+from common import cli, security
+from common.security import TLSConfig
 from common.state import StateStore, StateUnavailable, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ class WorkerConfig:
     device: str = "cpu"
     threads: int = 0
     metrics_port: int = 0
+    health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
+    tls: TLSConfig = TLSConfig()  # off by default; on, every port of the worker requires client certificates
     drain_timeout_s: float = 25.0
     heartbeat_s: float = 0.5  # a dead worker leaves the registry within heartbeat_ttl_s
     heartbeat_ttl_s: float = 2.0
@@ -54,6 +57,7 @@ class WorkerConfig:
             raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib}")
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s:
             raise ValueError("heartbeat_s must be positive and shorter than heartbeat_ttl_s")
+        self.tls.check_for_service()
 
     @classmethod
     def from_args(cls, role: str, argv: list[str] | None, *, port: int, metrics_port: int,
@@ -69,7 +73,9 @@ class WorkerConfig:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
-            return cls(role=role, **args)
+            config = cls(role=role, tls=cli.pop_tls_config(args), **args)
+            security.check(config.tls)  # a bad certificate stops the worker now, not after loading the model
+            return config
         except ValueError as exc:
             p.error(str(exc))
 
@@ -154,7 +160,10 @@ class WorkerBase:
         self._inflight_lock = threading.Lock()
         self.started_at = time.time()
         self.server = None
+        self.health_server = None
         self.engine = None
+        # Built once: every outgoing internal channel presents this worker's certificate.
+        self.channel_credentials = security.channel_credentials(config.tls)
 
     # ---- model
 
@@ -194,6 +203,8 @@ class WorkerBase:
         from common.kv_cache import KVCache
         from common.runner import ModelRunner
 
+        # Internal ports are mutual TLS whenever TLS is on: only holders of a certificate from the CA call them.
+        self.server_credentials = security.server_credentials(self.config.tls, require_client_cert=True)
         set_threads(self.config.threads)
         self.model = self._load_model()
         cache = KVCache(self.model.config, self._num_blocks(), self.config.block_size, self.model.dtype,
@@ -204,22 +215,25 @@ class WorkerBase:
                                             max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)
         self.health = grpc_util.add_health_and_reflection(self.server, self.service_names)
         self._add_services(self.server)
-        port = grpc_util.bind(self.server, self.config.host, self.config.port)
+        port = grpc_util.bind(self.server, self.config.host, self.config.port, self.server_credentials)
         self.config = self.config.resolved(port)
         self._bind_extra(self.server)
         self.server.start()
+        if self.config.health_port:
+            self.health_server = grpc_util.serve_health(self.health, self.config.host, self.config.health_port)
         self.registration = Registration(
             self.state, self.info, interval_s=self.config.heartbeat_s, ttl_s=self.config.heartbeat_ttl_s,
             on_registered=lambda: grpc_util.set_serving(self.health, self.service_names, True)).start()
-        log.info("%s worker %s listening on %s:%d (epoch %s)", self.config.role, self.config.worker_id,
-                 self.config.host, self.config.port, self.epoch)
+        log.info("%s worker %s listening on %s:%d (epoch %s, %s)", self.config.role, self.config.worker_id,
+                 self.config.host, self.config.port, self.epoch,
+                 "mutual TLS" if self.server_credentials else "plaintext")
         return self
 
     def _add_services(self, server) -> None:
         raise NotImplementedError
 
     def _bind_extra(self, server) -> None:
-        """Extra ports (decode's KV port); called after the main port is bound."""
+        """Extra ports (decode's KV port, with self.server_credentials); called after the main port is bound."""
 
     @property
     def address(self) -> str:
@@ -273,6 +287,8 @@ class WorkerBase:
                         self.num_inflight, self.engine.num_active)
         self.engine.stop()
         self.server.stop(grace=1.0).wait()
+        if self.health_server is not None:
+            self.health_server.stop(grace=None)
         log.info("%s worker %s stopped", self.config.role, self.config.worker_id)
 
 

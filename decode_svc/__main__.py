@@ -13,7 +13,7 @@ def _decode_flags(parser) -> None:
 
 def main(argv=None) -> None:
     config = WorkerConfig.from_args("decode", argv, port=50071, metrics_port=9102, extra=_decode_flags)
-    client, embedded = connect(config.redis_url, password=cli.redis_password())
+    client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
     metrics.serve_metrics(config.metrics_port)
     try:
         run_until_signalled(DecodeWorker(config, StateStore(client)))

@@ -8,7 +8,7 @@ from prefill_svc.worker import PrefillWorker
 
 def main(argv=None) -> None:
     config = WorkerConfig.from_args("prefill", argv, port=50061, metrics_port=9101)
-    client, embedded = connect(config.redis_url, password=cli.redis_password())
+    client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
     metrics.serve_metrics(config.metrics_port)
     try:
         run_until_signalled(PrefillWorker(config, StateStore(client)))

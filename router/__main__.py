@@ -14,7 +14,7 @@ log = logging.getLogger("router")
 
 def main(argv=None) -> None:
     config = RouterConfig.from_args(argv)
-    client, embedded = connect(config.redis_url, password=cli.redis_password())
+    client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
     metrics.serve_metrics(config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

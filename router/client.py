@@ -2,6 +2,7 @@
 
     python -m router.client --prompt "Once upon a time" --max-tokens 64
     python -m router.client --message user:"Why is the sky blue?" --temperature 0.7 --seed 1
+    HANDOFF_API_KEY=... python -m router.client --tls-ca ca.crt --target router.example.com:443 --prompt Hi
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 
 import grpc
 
-from common import grpc_util
+from common import cli, grpc_util, security
+from common.security import TLSConfig
 from protos import handoff_pb2, handoff_pb2_grpc
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower()
@@ -35,14 +37,23 @@ def build_request(args) -> handoff_pb2.GenerateRequest:
     return req
 
 
-def stream(target: str, request: handoff_pb2.GenerateRequest, timeout_s: float | None, out=sys.stdout) -> dict:
-    """Stream one Generate call to `out`; returns the last message's figures."""
-    channel = grpc_util.channel(target, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES)
+def stream(target: str, request: handoff_pb2.GenerateRequest, timeout_s: float | None, out=sys.stdout, *,
+           tls: TLSConfig | None = None, api_key: str | None = None) -> dict:
+    """Stream one Generate call to `out`; returns the last message's figures.
+
+    tls: None = plaintext; a TLSConfig (possibly empty: the system's roots) = TLS.
+    """
+    credentials = None
+    if tls is not None:
+        credentials = security.channel_credentials(tls) if tls.enabled else grpc.ssl_channel_credentials()
+    channel = grpc_util.channel(target, credentials=credentials, server_name=tls.server_name if tls else None,
+                                max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES)
     stub = handoff_pb2_grpc.RouterStub(channel)
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     t0 = time.perf_counter()
     t_first, num_tokens, last = None, 0, None
     try:
-        for msg in stub.Generate(request, timeout=timeout_s):
+        for msg in stub.Generate(request, timeout=timeout_s, metadata=metadata):
             if t_first is None and (msg.text or msg.token_ids):
                 t_first = time.perf_counter()
             num_tokens += len(msg.token_ids)
@@ -82,6 +93,24 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="the request's deadline")
 
 
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    cli.add_flag(p, "--api-key", "HANDOFF_API_KEY", None,
+                 "sent as 'authorization: Bearer <key>'; prefer the environment variable (ps shows flags)")
+    p.add_argument("--tls", action="store_true", help="use TLS, verifying the router by the system's roots")
+    cli.add_flag(p, "--tls-ca", "HANDOFF_TLS_CA", None, "CA bundle that verifies the router (implies --tls)")
+    cli.add_flag(p, "--tls-cert", "HANDOFF_TLS_CERT", None, "client certificate, if the router requires one")
+    cli.add_flag(p, "--tls-key", "HANDOFF_TLS_KEY", None, "the private key of --tls-cert")
+    cli.add_flag(p, "--tls-server-name", "HANDOFF_TLS_SERVER_NAME", None,
+                 "name expected in the router's certificate, when --target names it otherwise")
+
+
+def connection_tls(args) -> TLSConfig | None:
+    """None = plaintext; an empty TLSConfig = TLS with the system's roots."""
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    return TLSConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
+
+
 def print_summary(figures: dict) -> None:
     ttft = f"{figures['ttft_s'] * 1000:.0f} ms" if figures["ttft_s"] is not None else "-"
     tps = f"{figures['tokens_per_s']:.1f}" if figures["tokens_per_s"] is not None else "-"
@@ -94,11 +123,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="localhost:50051", help="the router's host:port")
     add_request_flags(p)
+    add_connection_flags(p)
     args = p.parse_args(argv)
     if not args.prompt and not args.message:
         p.error("give --prompt or at least one --message")
     try:
-        print_summary(stream(args.target, build_request(args), args.timeout_s))
+        tls = connection_tls(args)
+        if tls is not None:
+            security.check(tls)
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        print_summary(stream(args.target, build_request(args), args.timeout_s, tls=tls, api_key=args.api_key))
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
         sys.exit(1)

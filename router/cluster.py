@@ -45,9 +45,11 @@ class Cluster:
         self.redis_url = redis_url
         self.router_config = replace(router or RouterConfig(), host="127.0.0.1", port=port, model=model,
                                      redis_url=redis_url)
+        # TLS and API keys come in with `router` and `worker`; workers share one TLS config (and
+        # its certificate), and several workers cannot share one health port.
         self.worker_config = replace(worker or WorkerConfig(role="prefill"), host="127.0.0.1", port=0,
                                      advertise_host="127.0.0.1", model=model, dtype=dtype, device=device,
-                                     kv_memory_gib=kv_memory_gib, kv_port=0, metrics_port=0)
+                                     kv_memory_gib=kv_memory_gib, kv_port=0, metrics_port=0, health_port=0)
         self.threads = threads
         self.redis: EmbeddedRedis | None = None
         self.prefill: list[PrefillWorker] = []
@@ -64,7 +66,7 @@ class Cluster:
         # Several engines share the cores: one intra-op thread each avoids OpenMP teams spinning
         # against each other, which costs far more than it gains on a small machine.
         torch.set_num_threads(self.threads or max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode)))
-        client, self.redis = connect(self.redis_url, password=cli.redis_password())
+        client, self.redis = connect(self.redis_url, password=cli.redis_password(), username=cli.redis_username())
         self.state = StateStore(client)
         path = resolve_model_path(self.model_name)
         weights = load_weights(path)

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from common import cli
+from common import cli, security
+from common.security import TLSConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class RouterConfig:
     max_attempts: int = 3  # tries of one request across workers (the retry budget)
     server_threads: int = 256  # concurrent Generate streams this router can hold
     drain_timeout_s: float = 25.0  # on SIGTERM, how long in-flight streams may take to finish
+    health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
+    # TLS on the public port (client certificates only if tls.require_client_cert) and mutual
+    # TLS on the channels to the workers.
+    tls: TLSConfig = TLSConfig()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty = no API key needed; never printed
 
     def __post_init__(self) -> None:
         for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads"):
@@ -33,6 +39,7 @@ class RouterConfig:
         for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.tls.check_for_service()
 
     @classmethod
     def from_args(cls, argv: list[str] | None) -> "RouterConfig":
@@ -44,10 +51,17 @@ class RouterConfig:
         cli.add_flag(p, "--lease-ttl-s", "HANDOFF_LEASE_TTL_S", 10.0, "KV reservation lease", float)
         cli.add_flag(p, "--drain-timeout-s", "HANDOFF_DRAIN_TIMEOUT_S", 25.0,
                      "on SIGTERM, how long in-flight streams may take to finish", float)
+        cli.add_public_tls_flags(p)
+        cli.add_flag(p, "--api-keys-file", "HANDOFF_API_KEYS_FILE", None,
+                     "file of API keys clients must send as 'authorization: Bearer <key>' (one per line, # comments); "
+                     "keys may also come comma-separated in env HANDOFF_API_KEYS; none = no key needed")
         args = vars(p.parse_args(argv))
         logging.basicConfig(level=args.pop("log_level").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
-            return cls(**args)
+            api_keys = security.read_api_keys(args.pop("api_keys_file"), cli.api_keys_env())
+            config = cls(tls=cli.pop_tls_config(args), api_keys=api_keys, **args)
+            security.check(config.tls)
+            return config
         except ValueError as exc:
             p.error(str(exc))

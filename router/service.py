@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from common import grpc_util, metrics
+from common import grpc_util, metrics, security
 from common.grpc_util import ServiceError
 from common.output import FinishReason, OutputProcessor
 from common.state import RequestState, StateStore, StateUnavailable
@@ -49,12 +49,15 @@ class Router:
                                    queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        # The router's own certificate is its client certificate towards the workers (mutual TLS).
+        self._credentials = security.channel_credentials(config.tls)
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc_util.channel(address)
+                ch = self._channels[address] = grpc_util.channel(
+                    address, credentials=self._credentials, server_name=self.config.tls.server_name)
             return ch
 
     def close(self) -> None:

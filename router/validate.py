@@ -34,7 +34,8 @@ class RequestValidator:
 
     def validate(self, r: handoff_pb2.GenerateRequest) -> ValidRequest:
         request_id = r.request_id or uuid.uuid4().hex
-        if not _REQUEST_ID.match(request_id):
+        # fullmatch: with match(), "$" also matches before a trailing newline, so "abc\n" got through.
+        if not _REQUEST_ID.fullmatch(request_id):
             raise ValueError("request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
         prompt_ids = self._prompt_ids(r)
         room = self.context_len - len(prompt_ids)

@@ -5,10 +5,11 @@ checkov into its own virtual environment (.venv/tools/checkov-<version>) from th
 index: checkov pins networkx<2.7 and packaging 23, which would downgrade what torch and
 transformers use in the project's venv.
 
-The last test (marked `cluster`) starts the three services exactly as the cpu overlay's
+The last tests (marked `cluster`) start the three services exactly as the cpu overlay's
 Deployments describe them — same command, args and environment, with ConfigMap, Secret and
-downward-API references resolved and `$(VAR)` expanded as the kubelet does — against a real
-local Redis, and sends a Generate through the router.
+downward-API references resolved, Secret volumes mounted and `$(VAR)` expanded as the kubelet
+does — against a real local Redis, and send a Generate through the router: once as the cpu
+overlay stands, once with the TLS and API-key components (deploy/k8s/components) added.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -38,7 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"  # BuildKit's per-Dockerfile ignore file
-OVERLAYS = ("cpu", "gpu")
+# An overlay, or an overlay plus components (rendered from a kustomization written to a temporary
+# folder): the components must compose with the kind overlay too, not only with gpu.
+COMPOSED = {"cpu+tls": ("cpu", ("tls", "api-keys"))}
+OVERLAYS = ("cpu", "gpu", *COMPOSED)
+TLS_SECRET, API_KEYS_SECRET = "handoff-tls", "handoff-api-keys"
+TLS_FILES = {"HANDOFF_TLS_CERT": "tls.crt", "HANDOFF_TLS_KEY": "tls.key", "HANDOFF_TLS_CA": "ca.crt"}
 K8S_VERSION = "1.30.0"  # oldest Kubernetes the manifests must work on (native gRPC probes are GA in 1.27)
 POOLS = ("router", "prefill", "decode")
 WORKERS = ("prefill", "decode")
@@ -86,11 +93,40 @@ def kustomize_build(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
+def compose(folder: Path, overlay: str, components: tuple[str, ...],
+            secrets: dict[str, dict[str, bytes]] | None = None) -> Path:
+    """A kustomization in `folder`: the overlay, the components and Secrets generated from files."""
+    k8s = DEPLOY / "k8s"
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                     "resources": [os.path.relpath(k8s / "overlays" / overlay, folder)],
+                     "components": [os.path.relpath(k8s / "components" / c, folder) for c in components]}
+    generators = []
+    for name, files in (secrets or {}).items():
+        (folder / name).mkdir()
+        for key, data in files.items():
+            (folder / name / key).write_bytes(data)
+        generators.append({"name": name, "namespace": "handoff", "options": {"labels": {PART_OF: "handoff"}},
+                           "files": [f"{key}={name}/{key}" for key in files]})
+    if generators:
+        kustomization["secretGenerator"] = generators
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
+    return folder
+
+
 def render(overlay: str) -> list[dict]:
     """The overlay's objects (a fresh copy each call: tests may edit them)."""
     if overlay not in _rendered:
-        _rendered[overlay] = kustomize_build(DEPLOY / "k8s" / "overlays" / overlay)
+        if overlay in COMPOSED:
+            with tempfile.TemporaryDirectory(prefix="handoff-kustomize-") as folder:
+                _rendered[overlay] = kustomize_build(compose(Path(folder), *COMPOSED[overlay]))
+        else:
+            _rendered[overlay] = kustomize_build(DEPLOY / "k8s" / "overlays" / overlay)
     return copy.deepcopy(_rendered[overlay])
+
+
+def tls_on(ctr: dict) -> bool:
+    """Whether the container is configured for TLS (the tls component was applied)."""
+    return any(e["name"] == "HANDOFF_TLS_CERT" for e in ctr.get("env", []))
 
 
 def of_kind(objs: list[dict], kind: str) -> list[dict]:
@@ -507,10 +543,18 @@ def test_workers_advertise_their_pod_ip(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_grpc_probes_on_the_serving_ports(overlay):
+    """Native gRPC probes on the serving port; with TLS on the plaintext health port instead (the
+    kubelet's gRPC probe cannot speak TLS), which HANDOFF_HEALTH_PORT tells the service to open."""
     objs = render(overlay)
+    config = of_kind(objs, "ConfigMap")[0]["data"]
     for component in POOLS:
         ctr = container(one(objs, "Deployment", component))
-        grpc_port = named_port(ctr, "grpc")
+        grpc_port = named_port(ctr, "health" if tls_on(ctr) else "grpc")
+        if tls_on(ctr):
+            assert grpc_port != named_port(ctr, "grpc"), component
+            ref = {e["name"]: e for e in ctr["env"]}["HANDOFF_HEALTH_PORT"]["valueFrom"]["configMapKeyRef"]
+            assert int(config[ref["key"]]) == grpc_port, f"{component}: the service serves health where probes look"
+            assert "--health-port=$(HANDOFF_HEALTH_PORT)" in ctr["args"], component
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert ctr[probe].get("grpc", {}).get("port") == grpc_port, f"{component}.{probe}: native gRPC on {grpc_port}"
             assert not ctr[probe]["grpc"].get("service"), f"{component}.{probe}: the overall health service ''"
@@ -530,6 +574,8 @@ def test_ports_agree_across_config_deployments_services_and_scrape_annotations(o
     for component, ports in expected.items():
         deployment = one(objs, "Deployment", component)
         ctr = container(deployment)
+        if tls_on(ctr):
+            ports = {**ports, "health": f"{component}-health-port"}
         for port_name, key in ports.items():
             assert named_port(ctr, port_name) == int(config[key]), f"{component}: {port_name} vs ConfigMap {key}"
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
@@ -651,6 +697,69 @@ def test_cpu_overlay_asks_for_no_gpu():
         assert "nvidia.com/gpu" not in json.dumps(ctr["resources"]), w["metadata"]["name"]
         assert not any("cuda" in a for a in ctr.get("args", [])), w["metadata"]["name"]
         assert "nodeSelector" not in spec and "tolerations" not in spec, w["metadata"]["name"]
+
+
+def secret_mounts(spec: dict, ctr: dict) -> dict[str, tuple[str, dict]]:
+    """mountPath -> (Secret name, the volume's secret source) of the container's Secret volumes."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    return {m["mountPath"]: (volumes[m["name"]]["secret"]["secretName"], m) for m in ctr.get("volumeMounts", [])
+            if "secret" in volumes[m["name"]]}
+
+
+def file_from_secret(spec: dict, ctr: dict, path: str, secret_prefix: str) -> str:
+    """The Secret key that `path` reads, asserting it lies on a read-only, owner/group-only mount of it."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for mount_path, (secret, mount) in secret_mounts(spec, ctr).items():
+        if path.startswith(mount_path.rstrip("/") + "/"):
+            assert secret.startswith(secret_prefix), f"{path} is mounted from Secret {secret}, not {secret_prefix}"
+            assert mount.get("readOnly") is True, f"{mount_path}: mount Secrets read-only"
+            mode = volumes[mount["name"]]["secret"].get("defaultMode", 0o644)
+            assert mode & 0o007 == 0, f"{mount_path}: defaultMode {oct(mode)} lets other users read the files"
+            return path[len(mount_path.rstrip("/")) + 1:]
+    raise AssertionError(f"{ctr['name']}: {path} is on no Secret volume")
+
+
+@pytest.mark.parametrize("overlay", ["gpu", *COMPOSED])
+def test_tls_and_api_key_components(overlay):
+    """Every pool reads its certificate, key and CA as files of the Secret handoff-tls, names the
+    certificate it expects from the ConfigMap, and flags them on its command line; the router alone
+    reads API keys, as a file of the Secret handoff-api-keys."""
+    objs = render(overlay)
+    config = of_kind(objs, "ConfigMap")[0]
+    for component in POOLS:
+        deployment = one(objs, "Deployment", component)
+        spec, ctr = pod_spec(deployment), container(deployment)
+        env = {e["name"]: e for e in ctr["env"]}
+        assert tls_on(ctr), f"{component}: TLS on"
+        for name, key in TLS_FILES.items():
+            assert file_from_secret(spec, ctr, env[name]["value"], TLS_SECRET) == key, f"{component}: {name}"
+        server_name = env["HANDOFF_TLS_SERVER_NAME"]["valueFrom"]["configMapKeyRef"]
+        assert server_name["name"] == config["metadata"]["name"] and config["data"][server_name["key"]], component
+        flags = {"--tls-cert=$(HANDOFF_TLS_CERT)", "--tls-key=$(HANDOFF_TLS_KEY)", "--tls-ca=$(HANDOFF_TLS_CA)",
+                 "--tls-server-name=$(HANDOFF_TLS_SERVER_NAME)"}
+        assert flags <= set(ctr["args"]), f"{component}: missing {flags - set(ctr['args'])}"
+        # Internal ports require client certificates; only the public port may be asked to as well.
+        assert "HANDOFF_TLS_REQUIRE_CLIENT_CERT" not in env or component == "router", component
+        api_keys = "HANDOFF_API_KEYS_FILE" in env
+        assert api_keys == (component == "router"), f"{component}: API keys are the router's alone"
+        mounts_keys = any(secret.startswith(API_KEYS_SECRET) for secret, _ in secret_mounts(spec, ctr).values())
+        assert mounts_keys == api_keys, f"{component}: mounts the API-keys Secret only to read it"
+        assert "HANDOFF_API_KEYS" not in env, f"{component}: keys as a file, not an environment variable"
+        if api_keys:
+            assert file_from_secret(spec, ctr, env["HANDOFF_API_KEYS_FILE"]["value"], API_KEYS_SECRET) == "api-keys"
+            assert "--api-keys-file=$(HANDOFF_API_KEYS_FILE)" in ctr["args"]
+        ports = {p["port"] for p in one(objs, "Service", component)["spec"]["ports"]}
+        assert named_port(ctr, "health") not in ports, f"{component}: the health port is for the kubelet only"
+    if overlay == "gpu":
+        assert not of_kind(objs, "Secret") or all(s["metadata"]["name"].startswith("handoff-redis")
+                                                  for s in of_kind(objs, "Secret")), "no certificate or key shipped"
+
+
+def test_cpu_overlay_stays_plaintext():
+    """The kind overlay runs without certificates; TLS is one `components:` entry away."""
+    for component in POOLS:
+        ctr = container(one(render("cpu"), "Deployment", component))
+        assert not tls_on(ctr) and "health" not in {p["name"] for p in ctr["ports"]}, component
 
 
 # --------------------------------------------------------------------------- network policies
@@ -813,6 +922,37 @@ class Resolver:
     def argv(self, ctr: dict, env: dict[str, str]) -> list[str]:
         return [expand(a, env) for a in ctr.get("command", []) + ctr.get("args", [])]
 
+    def mount_secrets(self, deployment: dict, ctr: dict, root: Path) -> dict[str, Path]:
+        """The container's Secret volumes written under `root`, one file per key with the volume's
+        defaultMode, as the kubelet mounts them; returns mountPath -> local folder."""
+        volumes = {v["name"]: v for v in pod_spec(deployment).get("volumes", [])}
+        mounted = {}
+        for mount in ctr.get("volumeMounts", []):
+            source = volumes[mount["name"]].get("secret")
+            if source is None:
+                continue
+            assert source["secretName"] in self.secrets, f"{ctr['name']}: no Secret {source['secretName']} rendered"
+            folder = root / mount["mountPath"].strip("/")
+            folder.mkdir(parents=True)
+            for key, value in self.secrets[source["secretName"]].items():
+                (folder / key).write_text(value)
+                (folder / key).chmod(source.get("defaultMode", 0o644))
+            mounted[mount["mountPath"].rstrip("/")] = folder
+        return mounted
+
+
+def remap_mounted(env: dict[str, str], mounted: dict[str, Path]) -> dict[str, str]:
+    """Environment values that are paths on a mounted volume, moved to where it was written here;
+    each must name a file the volume holds."""
+    out = dict(env)
+    for name, value in env.items():
+        for mount_path, folder in mounted.items():
+            if value.startswith(mount_path + "/"):
+                local = folder / value[len(mount_path) + 1:]
+                assert local.is_file(), f"{name}={value}: the mounted Secret has no such key"
+                out[name] = str(local)
+    return out
+
 
 def expand(text: str, env: dict[str, str]) -> str:
     """The kubelet's $(VAR) expansion: known names are replaced, $$ escapes, the rest stays."""
@@ -843,10 +983,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_serving(port: int, proc: subprocess.Popen, deadline: float, what: str, logs) -> None:
+def wait_serving(port: int, proc: subprocess.Popen, deadline: float, what: str, logs,
+                 channel: grpc.Channel | None = None) -> None:
+    """Health on `port` (plaintext, as the kubelet probes, unless a channel is given) is SERVING by the deadline."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with channel or grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         status = "no answer"
         while time.monotonic() < deadline:
@@ -863,14 +1005,15 @@ def wait_serving(port: int, proc: subprocess.Popen, deadline: float, what: str, 
     pytest.fail(f"{what}: health on port {port} still {status} at the startup probe's deadline\n{logs()}")
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(300)
-def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
+def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None, api_key: str | None = None) -> None:
+    """Start router, prefill and decode as the rendered Deployments describe them, wait for their
+    probes, send one Generate through the router (over `client_tls`, with `api_key`), check the
+    autoscalers' metrics, then SIGTERM them all and check that they drain in time."""
+    from common import grpc_util, security
     from common.redis_server import EmbeddedRedis, connect
     from common.state import StateStore
     from protos import handoff_pb2, handoff_pb2_grpc
 
-    objs = render("cpu")
     deployments = {c: one(objs, "Deployment", c) for c in (*POOLS, "redis")}
 
     # Redis: the password the Redis Deployment requires, from the rendered Secret.
@@ -907,12 +1050,19 @@ def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
             return urlunparse(url._replace(netloc=f"127.0.0.1:{server.port}"))
         return value
 
+    def channel(port: int) -> grpc.Channel:
+        """As a client of the router, or as the prefill worker it is not (for the KV port)."""
+        credentials = security.channel_credentials(client_tls) if client_tls else None
+        return grpc_util.channel(f"127.0.0.1:{port}", credentials=credentials,
+                                 server_name=client_tls.server_name if client_tls else None)
+
     resolver = Resolver(objs, rewrite=rewrite)
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HANDOFF_", "REDIS_"))}
     try:
         for component in POOLS:
             deployment, ctr = deployments[component], container(deployments[component])
-            env = resolver.env(deployment, ctr)
+            mounted = resolver.mount_secrets(deployment, ctr, tmp_path / component)
+            env = remap_mounted(resolver.env(deployment, ctr), mounted)
             argv = resolver.argv(ctr, env)
             unresolved = [a for a in argv if "$(" in a]
             assert not unresolved, f"{component}: unresolved references {unresolved}"
@@ -938,8 +1088,8 @@ def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
                 wait_serving(port_map[ctr[probe]["grpc"]["port"]], procs[component], deadline,
                              f"{component} {probe}", logs)
         decode_ctr = container(deployments["decode"])
-        wait_serving(port_map[named_port(decode_ctr, "kv")], procs["decode"], time.monotonic() + 10,
-                     "decode KV port", logs)
+        kv_port = port_map[named_port(decode_ctr, "kv")]
+        wait_serving(kv_port, procs["decode"], time.monotonic() + 10, "decode KV port", logs, channel(kv_port))
 
         # The workers registered the addresses the downward API gave them (podIP -> 127.0.0.1).
         client, _ = connect(f"redis://127.0.0.1:{server.port}/0", password=password)
@@ -953,22 +1103,34 @@ def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
 
         # One Generate through the router's port, as a client behind the router Service would.
         router_port = port_map[named_port(container(deployments["router"]), "grpc")]
-        with grpc.insecure_channel(f"127.0.0.1:{router_port}") as channel:
-            stub = handoff_pb2_grpc.RouterStub(channel)
-            request = handoff_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=8, temperature=0.0)
+        metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+        request = handoff_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=8, temperature=0.0)
+        with channel(router_port) as ch:
+            stub = handoff_pb2_grpc.RouterStub(ch)
             for attempt in range(20):  # the router may not have read the registry yet
                 try:
-                    chunks = list(stub.Generate(request, timeout=60))
+                    chunks = list(stub.Generate(request, timeout=60, metadata=metadata))
                     break
                 except grpc.RpcError as exc:
                     if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED) \
                             or attempt == 19:
                         pytest.fail(f"Generate failed: {exc.code().name}: {exc.details()}\n{logs()}")
                     time.sleep(0.5)
+            if api_key:
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(request, timeout=60))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, "the router asks for an API key"
         token_ids = [t for c in chunks for t in c.token_ids]
         assert 1 <= len(token_ids) <= 8, token_ids
         assert chunks[-1].finish_reason in (handoff_pb2.FINISH_REASON_STOP, handoff_pb2.FINISH_REASON_LENGTH)
         assert "".join(c.text for c in chunks).strip(), "decoded text came back"
+        if client_tls:  # every serving port refuses a plaintext caller
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            for port in (router_port, port_map[named_port(prefill_ctr, "grpc")],
+                         port_map[named_port(decode_ctr, "grpc")], kv_port):
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as info:
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE, f"port {port} answered plaintext"
 
         # The autoscalers' Pods metrics are exported where the scrape annotations point.
         for component in POOLS:
@@ -1003,3 +1165,37 @@ def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
                 proc.kill()
                 proc.wait()
         server.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
+    run_as_local_processes(render("cpu"), tmp_path)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
+    """The components' wiring, run: certificates and keys from mounted Secrets, mutual TLS between
+    the services (through the ConfigMap's tls-server-name: the certificate names no IP), probes
+    on the plaintext health ports, and a Generate over TLS with an API key."""
+    from common.security import TLSConfig
+    from tests.test_security import make_ca, make_cert
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = make_ca(pki, "ca")
+    cert, key = make_cert(pki, "handoff", ca)
+    api_key = "deploy-test-key-0123"
+    folder = tmp_path / "kustomize"
+    folder.mkdir()
+    overlay, components = COMPOSED["cpu+tls"]
+    compose(folder, overlay, components, secrets={
+        TLS_SECRET: {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(), "ca.crt": ca[0].read_bytes()},
+        API_KEYS_SECRET: {"api-keys": f"# test keys\nsome-other-key\n{api_key}\n".encode()}})
+    objs = kustomize_build(folder)
+    server_name = of_kind(objs, "ConfigMap")[0]["data"]["tls-server-name"]
+    # The client: trusts the CA; the router's public port asks for no client certificate, and the
+    # certificate is handed over for the KV-port check only.
+    client_tls = TLSConfig(cert=str(cert), key=str(key), ca=str(ca[0]), server_name=server_name)
+    run_as_local_processes(objs, tmp_path, client_tls=client_tls, api_key=api_key)

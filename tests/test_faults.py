@@ -248,3 +248,41 @@ def test_two_hundred_requests_with_random_cancels(procs, reference):
            cancelled=num_cancelled, finished=states.count(RequestState.FINISHED),
            recorded_cancelled=states.count(RequestState.CANCELLED),
            cancelled_before_start=states.count("never started"), blocks_leaked=0)
+
+
+def test_sigterm_decode_worker_finishes_in_flight(procs, reference):
+    """Graceful shutdown (a Kubernetes rolling update): SIGTERM lets the streams a worker holds finish
+    on it, takes no new work, deregisters, and exits 0 within the grace period."""
+    import signal
+
+    progress: dict[str, int] = {}
+    specs = [(p, f"term-{i}-{time.monotonic_ns()}", {}) for i, p in enumerate(PROMPTS[:8])]
+    threads, results = run_many(procs.router_address, specs, progress=progress)
+    deadline = time.monotonic() + 60
+    while sum(1 for n in progress.values() if n >= 3) < len(specs):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    t_term = procs.kill("decode-0", signal.SIGTERM)
+    # While it drains, new requests go elsewhere and succeed.
+    extra = run_one(procs.router_address, PROMPTS[1], f"term-new-{time.monotonic_ns()}")
+    for t in threads:
+        t.join(timeout=120)
+    exit_code = procs.procs["decode-0"].popen.wait(timeout=40)
+    exit_s = time.monotonic() - t_term
+    assert exit_code == 0, procs.procs["decode-0"].log()
+    assert extra["error"] is None and extra["ids"] == reference[PROMPTS[1]]
+    assert procs.state.get_request(extra["rid"])["decode_worker"] == "decode-1"
+    on_drained = 0
+    for r, (prompt, _, _) in zip(results, specs):
+        assert r["error"] is None, f"{r['rid']}: {r['error']}"
+        assert r["ids"] == reference[prompt]
+        record = procs.state.get_request(r["rid"])
+        if record["decode_worker"] == "decode-0":
+            on_drained += 1
+            assert len(record["history"]) == 5, "a drained stream should finish where it ran, not fail over"
+    assert on_drained, "no stream was on the drained worker"
+    assert procs.state.get_worker("decode-0") is None, "the drained worker is still registered"
+    procs.restart("decode-0")
+    procs.wait_idle()
+    report("SIGTERM decode worker", in_flight=len(specs), finished_on_draining_worker=on_drained,
+           exit_code=exit_code, exit_s=round(exit_s, 3))
