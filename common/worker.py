@@ -2,18 +2,30 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import grpc
 import torch
 
-from common import cli, security
+from common import cli, grpc_util, security
+from common.engine import Engine
+from common.grpc_util import ServiceError
+from common.kv_cache import KVCache
+from common.kv_wire import ModelFingerprint
+from common.model import Llama
+from common.models import resolve_model_path
+from common.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig
 from common.state import StateStore, StateUnavailable, WorkerInfo
+from common.tokenizer import load_tokenizer
+from common.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +180,6 @@ class WorkerBase:
     # ---- model
 
     def _load_model(self):
-        from common.model import Llama
-        from common.runner import parse_dtype
-        from common.tokenizer import load_tokenizer
-        from common.models import resolve_model_path
-        from common.weights import load_weights
-
         if self._model is None:
             weights = load_weights(self.config.model)
             self._model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.config.dtype),
@@ -190,19 +196,13 @@ class WorkerBase:
     def _engine_config(self):
         raise NotImplementedError
 
-    def fingerprint(self):
-        from common.kv_wire import ModelFingerprint
+    def fingerprint(self) -> ModelFingerprint:
         return ModelFingerprint.for_model(self.model.config, weights_id=self.model.weights_id,
                                           block_size=self.config.block_size, dtype=self.model.dtype)
 
     # ---- lifecycle
 
     def start(self) -> "WorkerBase":
-        from common import grpc_util
-        from common.engine import Engine
-        from common.kv_cache import KVCache
-        from common.runner import ModelRunner
-
         # Internal ports are mutual TLS whenever TLS is on: only holders of a certificate from the CA call them.
         self.server_credentials = security.server_credentials(self.config.tls, require_client_cert=True)
         set_threads(self.config.threads)
@@ -244,26 +244,21 @@ class WorkerBase:
 
     def admit(self) -> None:
         """Called at the start of each RPC that takes new work."""
-        from common.grpc_util import ServiceError
-        import grpc
         if self.draining.is_set():
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.config.role} worker {self.config.worker_id} is shutting down; "
                                f"retry on another worker")
 
+    @contextlib.contextmanager
     def track(self):
-        """Context manager counting an RPC as in flight, so a drain waits for it."""
-        worker = self
-
-        class _Track:
-            def __enter__(self):
-                with worker._inflight_lock:
-                    worker._inflight += 1
-
-            def __exit__(self, *exc):
-                with worker._inflight_lock:
-                    worker._inflight -= 1
-        return _Track()
+        """Counts an RPC as in flight while it runs, so a drain waits for it."""
+        with self._inflight_lock:
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._inflight_lock:
+                self._inflight -= 1
 
     @property
     def num_inflight(self) -> int:
@@ -271,7 +266,6 @@ class WorkerBase:
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop taking work, let what is in flight finish (up to the drain timeout), deregister, exit."""
-        from common import grpc_util
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         self.draining.set()
         if self.server is None:
@@ -294,8 +288,6 @@ class WorkerBase:
 
 def run_until_signalled(worker: WorkerBase) -> None:
     """Serve until SIGTERM/SIGINT, then drain (Kubernetes gives terminationGracePeriodSeconds)."""
-    import signal
-
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
