@@ -49,8 +49,41 @@ def _abort_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+class _Undecodable:
+    """A request message that did not parse: invalid UTF-8 in a string field, a malformed message."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    """gRPC answers a request that fails to parse with INTERNAL ("Exception deserializing
+    request!") before any handler runs; parse it here instead, so the handler can refuse it."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Undecodable(exc)
+    return parse
+
+
+def _parsed(request):
+    if isinstance(request, _Undecodable):
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+    return request
+
+
+def _parsed_stream(requests):
+    for request in requests:
+        yield _parsed(request)
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Turns any exception a handler raises into a gRPC status with a readable message."""
+    """Turns any exception a handler raises into a gRPC status with a readable message, and a
+    request that does not parse into INVALID_ARGUMENT."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -58,30 +91,31 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
 
-        def guard_unary(behavior):
+        def guard_unary(behavior, parsed):
             def wrapped(request, context):
                 try:
-                    return behavior(request, context)
+                    return behavior(parsed(request), context)
                 except Exception as exc:
                     _abort(context, method, exc)
             return wrapped
 
-        def guard_stream(behavior):
+        def guard_stream(behavior, parsed):
             def wrapped(request, context):
                 try:
-                    yield from behavior(request, context)
+                    yield from behavior(parsed(request), context)
                 except Exception as exc:
                     _abort(context, method, exc)
             return wrapped
 
+        handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
         if handler.unary_unary:
-            return handler._replace(unary_unary=guard_unary(handler.unary_unary))
+            return handler._replace(unary_unary=guard_unary(handler.unary_unary, _parsed))
         if handler.unary_stream:
-            return handler._replace(unary_stream=guard_stream(handler.unary_stream))
+            return handler._replace(unary_stream=guard_stream(handler.unary_stream, _parsed))
         if handler.stream_unary:
-            return handler._replace(stream_unary=guard_unary(handler.stream_unary))
+            return handler._replace(stream_unary=guard_unary(handler.stream_unary, _parsed_stream))
         if handler.stream_stream:
-            return handler._replace(stream_stream=guard_stream(handler.stream_stream))
+            return handler._replace(stream_stream=guard_stream(handler.stream_stream, _parsed_stream))
         return handler
 
 

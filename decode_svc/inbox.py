@@ -34,6 +34,9 @@ class KVInbox:
         """Wait for the request's KV; None on timeout or once is_active() turns False."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            # A Decode waiting for this id again (the router's retry after a failed attempt) lifts the
+            # tombstone the cancelled attempt left, or the retry's KV would be refused.
+            self._cancelled.pop(request_id, None)
             while True:
                 entry = self._parked.pop(request_id, None)
                 if entry is not None:

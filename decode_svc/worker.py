@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import threading
 import time
 
 import grpc
@@ -91,12 +92,27 @@ class DecodeWorker(WorkerBase):
 class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.w = worker
+        self._rids: set[str] = set()  # request ids with a Decode call in progress here
+        self._rids_lock = threading.Lock()
 
     def Decode(self, request: internal_pb2.DecodeRequest, context):
         w = self.w
         w.admit()
-        with w.track():
-            yield from self._decode(request, context)
+        rid = request.request_id
+        # A second call for the same id would fail in the engine (INTERNAL), and its end would
+        # cancel the first call's sequence: refuse it before it touches anything.
+        # ABORTED, which the router retries: the first may be a cancelled attempt still winding down.
+        with self._rids_lock:
+            if rid in self._rids:
+                raise ServiceError(grpc.StatusCode.ABORTED,
+                                   f"a Decode for request {rid!r} is already running on this worker")
+            self._rids.add(rid)
+        try:
+            with w.track():
+                yield from self._decode(request, context)
+        finally:
+            with self._rids_lock:
+                self._rids.discard(rid)
 
     def _decode(self, request, context):
         w = self.w
@@ -116,14 +132,16 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
         if not (math.isfinite(request.kv_wait_s) and request.kv_wait_s >= 0):
             raise ValueError(f"kv_wait_s must be a finite number of seconds > 0 (0: this worker's "
                              f"default), got {request.kv_wait_s}")
-        pool = w.engine.pool
-        # The engine admits sequences in order: one that can never fit would wait at the head of
-        # its queue forever, and every sequence behind it with it.
-        if pool.blocks_for(len(ids) + 1) > pool.num_blocks:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{rid} needs KV for {len(ids) + 1} tokens, more than this worker's whole "
-                               f"pool of {pool.num_blocks * pool.block_size} tokens")
         split = len(ids) - request.num_generated
+        # The most tokens the sequence can come to hold, as the router reserves them. More than the
+        # whole pool could never finish: it would fail in the engine once the pool runs out.
+        num_tokens = max(len(ids) + 1, min(split + params.max_tokens, cfg.max_position))
+        pool = w.engine.pool
+        if pool.blocks_for(num_tokens) > pool.num_blocks:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{rid} may need KV for {num_tokens} tokens (prompt_ids + max_tokens), more "
+                               f"than this worker's whole pool of {pool.num_blocks * pool.block_size}; "
+                               f"lower max_tokens")
         prompt, earlier = ids[:split], ids[split:]
         # Whatever ends this call (client gone, deadline), the KV must not be admitted later.
         context.add_callback(lambda: (w.inbox.cancel(rid), w.engine.cancel(rid)))

@@ -1,10 +1,13 @@
 """The prefill worker: batches prompts, samples their first token, pushes their KV to a decode worker."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -24,9 +27,14 @@ log = logging.getLogger(__name__)
 class PrefillWorker(WorkerBase):
     service_names = ["handoff.v1.PrefillWorker"]
 
+    # Idle channels kept open to decode workers. Target addresses come with each request, and
+    # decode pods come and go: without a bound every address ever seen would keep a channel.
+    max_idle_channels = 16
+
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, grpc.Channel] = {}  # least recently used first
+        self._channel_users: collections.Counter[str] = collections.Counter()  # pushes in flight per address
         self._channels_lock = threading.Lock()
 
     def _num_blocks(self) -> int:
@@ -50,13 +58,25 @@ class PrefillWorker(WorkerBase):
                           num_waiting=len(self.engine.waiting), started_at=self.started_at,
                           block_size=self.config.block_size)
 
-    def kv_stub(self, address: str) -> internal_pb2_grpc.KVTransferStub:
+    @contextlib.contextmanager
+    def kv_stub(self, address: str) -> Iterator[internal_pb2_grpc.KVTransferStub]:
+        """A KVTransfer stub for one push, over a channel cached per address."""
         with self._channels_lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = grpc_util.channel(
-                    address, credentials=self.channel_credentials, server_name=self.config.tls.server_name)
-        return internal_pb2_grpc.KVTransferStub(ch)
+            ch = self._channels.pop(address, None) or grpc_util.channel(
+                address, credentials=self.channel_credentials, server_name=self.config.tls.server_name)
+            self._channels[address] = ch
+            self._channel_users[address] += 1
+        try:
+            yield internal_pb2_grpc.KVTransferStub(ch)
+        finally:
+            with self._channels_lock:
+                self._channel_users[address] -= 1
+                if not self._channel_users[address]:
+                    del self._channel_users[address]
+                # Close the least recently used idle channels beyond the bound; never one in use.
+                idle = [a for a in self._channels if a not in self._channel_users]
+                for a in idle[:max(0, len(idle) - self.max_idle_channels)]:
+                    self._channels.pop(a).close()
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         super().stop(drain_timeout_s)
@@ -69,11 +89,26 @@ class PrefillWorker(WorkerBase):
 class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
         self.w = worker
+        self._rids: set[str] = set()  # request ids with a Prefill call in progress here
+        self._rids_lock = threading.Lock()
 
     def Prefill(self, request: internal_pb2.PrefillRequest, context):
         self.w.admit()
-        with self.w.track():
-            yield from self._prefill(request, context)
+        rid = request.request_id
+        # A second call for the same id would fail in the engine (INTERNAL), and its end would
+        # cancel the first call's prefill: refuse it before it touches anything.
+        # ABORTED, which the router retries: the first may be a cancelled attempt still winding down.
+        with self._rids_lock:
+            if rid in self._rids:
+                raise ServiceError(grpc.StatusCode.ABORTED,
+                                   f"a Prefill for request {rid!r} is already running on this worker")
+            self._rids.add(rid)
+        try:
+            with self.w.track():
+                yield from self._prefill(request, context)
+        finally:
+            with self._rids_lock:
+                self._rids.discard(rid)
 
     def _prefill(self, request, context):
         w = self.w
@@ -111,7 +146,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
                            target_epoch=target.epoch, fingerprint=w.fingerprint(),
                            reservation_id=target.reservation_id)
         try:
-            reply = w.kv_stub(target.kv_address).PushKV(chunks, timeout=context.time_remaining())
+            with w.kv_stub(target.kv_address) as stub:
+                reply = stub.PushKV(chunks, timeout=context.time_remaining())
         except grpc.RpcError as exc:
             metrics.KV_FAILURES.labels(wid, exc.code().name.lower()).inc()
             code = exc.code()

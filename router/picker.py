@@ -87,20 +87,24 @@ class WorkerPicker:
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
         if not workers:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "no decode worker is registered (none started, all down, or Redis was reset "
-                               "and they have not re-registered yet); retry shortly")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("decode", exclude))
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
                            f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
                            f"retry later or lower max_tokens")
 
+    @staticmethod
+    def _none_left(role: str, exclude: set[str]) -> str:
+        if exclude:
+            return (f"no {role} worker left to try: {', '.join(sorted(exclude))} failed this request "
+                    f"and no other is registered; retry shortly")
+        return (f"no {role} worker is registered (none started, all down, or Redis was reset and they "
+                f"have not re-registered yet); retry shortly")
+
     def pick_prefill(self, exclude: set[str] = frozenset()) -> WorkerInfo:
         workers = self._live("prefill", exclude)
         if not workers:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "no prefill worker is registered (none started, all down, or Redis was reset "
-                               "and they have not re-registered yet); retry shortly")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("prefill", exclude))
         random.shuffle(workers)
         with self._lock:
             best = min(workers, key=lambda w: (self._prefill_load[w.worker_id], w.num_waiting))
