@@ -12,23 +12,34 @@ import torch
 _ROW_BYTES = 1 << 18  # 256 KiB rows: long enough to stream, enough of them to split across threads
 
 
-def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 8) -> float:
-    """Best-of-`repeats` GB/s (1e9 bytes/s) of summing a `num_bytes` fp32 tensor, at torch's thread count.
+class ReadBandwidth:
+    """Best GB/s (1e9 bytes/s) of summing an fp32 tensor at torch's thread count, over every pass so far.
 
     A 2-D row sum, not a flat sum: torch splits rows across threads and vectorises each, where a flat
     1-D sum of the same bytes ran at a third of the speed here. Best, not median: the question is what
-    the memory can deliver, and other processes only ever make a pass slower.
+    the memory can deliver, and other processes only ever make a pass slower; so passes can be spread
+    over a run (`measure` again later) to catch a quiet moment of a shared machine.
     """
-    cols = _ROW_BYTES // 4
-    rows = max(1, num_bytes // _ROW_BYTES)
-    x = torch.ones(rows, cols, dtype=torch.float32)  # written once, so every page is really mapped
-    nbytes = x.numel() * x.element_size()
-    best_s = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum(dim=1)
-        best_s = min(best_s, time.perf_counter() - t0)
-    return nbytes / best_s / 1e9
+
+    def __init__(self, num_bytes: int = 1 << 30):
+        cols = _ROW_BYTES // 4
+        rows = max(1, num_bytes // _ROW_BYTES)
+        self._x = torch.ones(rows, cols, dtype=torch.float32)  # written once, so every page is mapped
+        self.num_bytes = self._x.numel() * self._x.element_size()
+        self.num_passes = 0
+        self._best_s = float("inf")
+
+    def measure(self, repeats: int) -> float:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._x.sum(dim=1)
+            self._best_s = min(self._best_s, time.perf_counter() - t0)
+            self.num_passes += 1
+        return self.gbs
+
+    @property
+    def gbs(self) -> float:
+        return self.num_bytes / self._best_s / 1e9
 
 
 def decode_bound_tok_s(bandwidth_gbs: float, weight_bytes: int, batch: int = 1) -> float:

@@ -38,26 +38,28 @@ class DecodeItem:
 class ModelRunner:
     """Owns the model and its KV cache; callers own allocation through `cache.pool`."""
 
-    def __init__(self, model: Llama, cache: KVCache, int4_max_batch: int = 4):
+    def __init__(self, model: Llama, cache: KVCache, int4_decode: bool = True):
         self.model = model
         self.cache = cache
         self.device = model.device
-        # Up to this many sequences a decode step is memory-bound: packed 4-bit weights win.
-        # Beyond it, bf16 matmuls (AMX on recent Xeons) are faster.
-        self.int4_max_batch = int4_max_batch
+        # Decode reads packed 4-bit weights (a quarter of bf16's bytes) at every batch size, never
+        # only at some: bf16 and int4 matmuls each give a row the same bits whatever else is in the
+        # batch, but switching between them by batch size would make a request's tokens depend on
+        # its company. bf16 decode (False) has more throughput at 32+ sequences, less at 1-8.
+        self.int4_decode = int4_decode
         self._offsets = torch.arange(max(model.config.max_position, cache.block_size), device=self.device)
 
     @classmethod
     def load(cls, model_name: str | Path, *, dtype: str = "bf16", num_blocks: int,
              block_size: int = 16, device: str = "cpu", progress: bool = True,
-             int4_max_batch: int = 4) -> "ModelRunner":
+             int4_decode: bool = True) -> "ModelRunner":
         weights = load_weights(model_name, progress=progress)
         torch_dtype = parse_dtype(dtype)
         model = Llama(weights.config, weights.tensors, dtype=torch_dtype, device=device,
-                      int4=weights.int4 if int4_max_batch > 0 else None)
+                      int4=weights.int4 if int4_decode else None)
         model.weights_id = weights.weights_id
         cache = KVCache(weights.config, num_blocks, block_size, torch_dtype, device)
-        return cls(model, cache, int4_max_batch)
+        return cls(model, cache, int4_decode)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -96,7 +98,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             context_slots=context_slots.reshape(-1),
             attn_mask=mask,
-            use_int4=self.model.has_int4 and len(items) <= self.int4_max_batch,
+            use_int4=self.model.has_int4 and self.int4_decode,
         )
         hidden = self.model(self._tensor([it.token_id for it in items]),
                             self._tensor([it.position for it in items]), ctx, self.cache.kv)

@@ -51,7 +51,7 @@ class WorkerConfig:
     block_size: int = 16
     max_prefill_tokens: int = 2048
     max_running: int = 64
-    int4_max_batch: int = 4
+    int4_decode: bool = True  # packed 4-bit decode when the weights are GGUF Q4 (see runner.py)
     # decode only
     kv_port: int = 0
     kv_memory_gib: float = 1.0
@@ -184,7 +184,7 @@ class WorkerBase:
             weights = load_weights(self.config.model)
             self._model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.config.dtype),
                                 device=self.config.device,
-                                int4=weights.int4 if self.config.int4_max_batch > 0 else None)
+                                int4=weights.int4 if self.config.int4_decode else None)
             self._model.weights_id = weights.weights_id
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
@@ -209,7 +209,7 @@ class WorkerBase:
         self.model = self._load_model()
         cache = KVCache(self.model.config, self._num_blocks(), self.config.block_size, self.model.dtype,
                         self.model.device)
-        runner = ModelRunner(self.model, cache, self.config.int4_max_batch)
+        runner = ModelRunner(self.model, cache, self.config.int4_decode)
         self.engine = Engine(runner, self.tokenizer, self._engine_config()).start()
         self.server = grpc_util.make_server(max_workers=256,
                                             max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)

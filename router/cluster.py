@@ -72,7 +72,7 @@ class Cluster:
         weights = load_weights(path)
         model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.worker_config.dtype),
                       device=self.worker_config.device,
-                      int4=weights.int4 if self.worker_config.int4_max_batch > 0 else None)
+                      int4=weights.int4 if self.worker_config.int4_decode else None)
         model.weights_id = weights.weights_id
         del weights
         tokenizer = load_tokenizer(path)

@@ -62,25 +62,25 @@ def smollm2_model(smollm2_weights):
 
 @pytest.fixture(scope="session")
 def make_runner(smollm2_model):
-    """make_runner(num_blocks, dtype=fp32, block_size=16, int4_max_batch=0) → a ModelRunner with a fresh cache."""
+    """make_runner(num_blocks, dtype=fp32, block_size=16, int4_decode=False) → a ModelRunner with a fresh cache."""
 
     def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, block_size: int = 16,
-             int4_max_batch: int = 0) -> ModelRunner:
-        model = smollm2_model(dtype, int4=int4_max_batch > 0)
-        assert int4_max_batch == 0 or model.has_int4, "the int4 path needs bf16 and a Q4 GGUF"
+             int4_decode: bool = False) -> ModelRunner:
+        model = smollm2_model(dtype, int4=int4_decode)
+        assert not int4_decode or model.has_int4, "the int4 path needs bf16 and a Q4 GGUF"
         cache = KVCache(model.config, num_blocks, block_size, dtype)
-        return ModelRunner(model, cache, int4_max_batch)
+        return ModelRunner(model, cache, int4_decode)
 
     return make
 
 
 @pytest.fixture(scope="session")
 def make_engine(make_runner, smollm2_tokenizer):
-    """make_engine(num_blocks=256, dtype=fp32, int4_max_batch=0, **EngineConfig fields) → an Engine (not started)."""
+    """make_engine(num_blocks=256, dtype=fp32, int4_decode=False, **EngineConfig fields) → an Engine (not started)."""
 
-    def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, int4_max_batch: int = 0,
+    def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, int4_decode: bool = False,
              block_size: int = 16, **config) -> Engine:
-        runner = make_runner(num_blocks, dtype, block_size, int4_max_batch)
+        runner = make_runner(num_blocks, dtype, block_size, int4_decode)
         return Engine(runner, smollm2_tokenizer, EngineConfig(**config))
 
     return make

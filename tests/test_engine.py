@@ -332,3 +332,15 @@ def test_imported_kv_too_big_for_pool_errors_and_others_are_served(make_engine, 
     assert sinks["d"].finish_reason == FinishReason.ERROR and "KV blocks" in sinks["d"].error
     assert sinks["b"].token_ids == alone["b"][:8]
     assert_all_free(decode)
+
+
+@pytest.mark.parametrize("int4_decode", [False, True], ids=["bf16", "bf16+int4"])
+def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, int4_decode):
+    """Invariant 4 in the serving dtype: a sequence's greedy tokens are the same alone and decoded
+    beside others of different lengths (one weight format at every batch size)."""
+    kw = dict(dtype=torch.bfloat16, int4_decode=int4_decode, block_size=BLOCK)
+    solo = {n: generate(make_engine(num_blocks=64, **kw), {n: (ids, GREEDY)})[n].token_ids
+            for n, ids in prompts.items()}
+    together = generate(make_engine(num_blocks=256, **kw), {n: (ids, GREEDY) for n, ids in prompts.items()})
+    for name in prompts:
+        assert together[name].token_ids == solo[name], name

@@ -104,12 +104,12 @@ def _first_greedy_tokens(make_engine, ids: list[int], n: int, **engine_kw) -> li
     return sinks["q"].token_ids
 
 
-@pytest.mark.parametrize("int4_max_batch", [0, 4], ids=["bf16", "bf16+int4"])
-def test_bf16_greedy_matches_fp32(make_engine, smollm2_tokenizer, chat_ids, int4_max_batch):
+@pytest.mark.parametrize("int4_decode", [False, True], ids=["bf16", "bf16+int4"])
+def test_bf16_greedy_matches_fp32(make_engine, smollm2_tokenizer, chat_ids, int4_decode):
     ids = chat_ids(CHAT_QUESTION)
     fp32 = _first_greedy_tokens(make_engine, ids, 8)
     assert smollm2_tokenizer.decode(fp32).startswith("The capital of France is Paris")
-    bf16 = _first_greedy_tokens(make_engine, ids, 8, dtype=torch.bfloat16, int4_max_batch=int4_max_batch)
+    bf16 = _first_greedy_tokens(make_engine, ids, 8, dtype=torch.bfloat16, int4_decode=int4_decode)
     assert bf16 == fp32, f"bf16: {smollm2_tokenizer.decode(bf16)!r}, fp32: {smollm2_tokenizer.decode(fp32)!r}"
 
 
