@@ -81,6 +81,20 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--threads", "HANDOFF_THREADS", 0, "torch intra-op threads; 0 = all cores", int)
     add_flag(parser, "--drain-timeout-s", "HANDOFF_DRAIN_TIMEOUT_S", 25.0,
              "on SIGTERM, how long in-flight requests may take to finish", float)
+    add_flag(parser, "--int4-decode", "HANDOFF_INT4_DECODE", True,
+             "decode with the GGUF's packed 4-bit weights (fast at small batches); "
+             "false = bf16 matmuls (more throughput at 32+ streams)", parse_bool)
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
 
 
 def redis_password() -> str | None:

@@ -8,7 +8,7 @@ import torch
 
 from common.kv_cache import KVCache
 from common.model import AttnContext, Llama
-from common.weights import load_weights
+from common.weights import load_weights, trim_memory
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -58,25 +58,30 @@ class ModelRunner:
         model = Llama(weights.config, weights.tensors, dtype=torch_dtype, device=device,
                       int4=weights.int4 if int4_decode else None)
         model.weights_id = weights.weights_id
-        cache = KVCache(weights.config, num_blocks, block_size, torch_dtype, device)
+        del weights
+        trim_memory()
+        cache = KVCache(model.config, num_blocks, block_size, torch_dtype, device)
         return cls(model, cache, int4_decode)
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
-        """Run whole prompts (blocks already allocated); returns last-position logits [B, V] fp32."""
-        ids, positions, slots, lens = [], [], [], []
-        for it in items:
-            n = len(it.token_ids)
-            ids.extend(it.token_ids)
-            positions.extend(range(n))
-            slots.extend(self.cache.slots(self.cache.pool.block_table(it.seq_id), 0, n))
-            lens.append(n)
-        ctx = AttnContext(slot_mapping=self._tensor(slots), prefill_lens=lens)
-        hidden = self.model(self._tensor(ids), self._tensor(positions), ctx, self.cache.kv)
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        return self.model.logits(hidden.index_select(0, last))
+        """Run whole prompts (blocks already allocated); returns last-position logits [B, V] fp32.
+
+        One forward per prompt: a 16-bit GEMM rounds a row differently once more rows share it
+        (oneDNN re-blocks past ~64 rows), so batching prompts together would let a request's K/V,
+        and so its tokens, depend on what else arrived with it (invariant 4). A prompt of ≥ 64
+        tokens already fills the matrix units on its own.
+        """
+        return torch.cat([self._prefill_one(it) for it in items])
+
+    def _prefill_one(self, it: PrefillItem) -> torch.Tensor:
+        n = len(it.token_ids)
+        ctx = AttnContext(slot_mapping=self._tensor(self.cache.slots(self.cache.pool.block_table(it.seq_id), 0, n)),
+                          prefill_lens=[n])
+        hidden = self.model(self._tensor(it.token_ids), self._offsets[:n], ctx, self.cache.kv)
+        return self.model.logits(hidden[-1:])
 
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
         """One token per sequence (blocks already grown to hold `position`); returns logits [B, V]."""

@@ -25,7 +25,7 @@ from common.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig
 from common.state import StateStore, StateUnavailable, WorkerInfo
 from common.tokenizer import load_tokenizer
-from common.weights import load_weights
+from common.weights import load_weights, trim_memory
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,8 @@ class WorkerBase:
                                 device=self.config.device,
                                 int4=weights.int4 if self.config.int4_decode else None)
             self._model.weights_id = weights.weights_id
+            del weights
+            trim_memory()
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(resolve_model_path(self.config.model))
         return self._model

@@ -23,7 +23,7 @@ from common.redis_server import EmbeddedRedis, connect
 from common.runner import parse_dtype
 from common.state import StateStore
 from common.tokenizer import load_tokenizer
-from common.weights import load_weights
+from common.weights import load_weights, trim_memory
 from common.worker import WorkerConfig
 from decode_svc.worker import DecodeWorker
 from prefill_svc.worker import PrefillWorker
@@ -75,6 +75,7 @@ class Cluster:
                       int4=weights.int4 if self.worker_config.int4_decode else None)
         model.weights_id = weights.weights_id
         del weights
+        trim_memory()
         tokenizer = load_tokenizer(path)
         for i in range(self.num_prefill):
             cfg = replace(self.worker_config, role="prefill", worker_id=f"prefill-{i}")
