@@ -14,13 +14,14 @@ from typing import Callable
 import grpc
 import torch
 
-from common import cli, grpc_util, security
+from common import cli, grpc_util, metrics, security
 from common.engine import Engine
 from common.grpc_util import ServiceError
 from common.kv_cache import KVCache
 from common.kv_wire import ModelFingerprint
 from common.model import Llama
 from common.models import resolve_model_path
+from common.redis_server import connect
 from common.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig
 from common.state import StateStore, StateUnavailable, WorkerInfo
@@ -168,7 +169,7 @@ class WorkerBase:
         self._model = model
         self.tokenizer = tokenizer
         self.draining = threading.Event()
-        self._inflight = 0
+        self._inflight_ids: set[tuple[str, str]] = set()  # (rpc, request_id) of calls in progress
         self._inflight_lock = threading.Lock()
         self.started_at = time.time()
         self.server = None
@@ -244,27 +245,32 @@ class WorkerBase:
     def info(self) -> WorkerInfo:
         raise NotImplementedError
 
-    def admit(self) -> None:
-        """Called at the start of each RPC that takes new work."""
+    @contextlib.contextmanager
+    def serving(self, rpc: str, request_id: str):
+        """Wraps an RPC that takes new work: refused while draining, refused for a request id that
+        already has this RPC running here, and counted in flight so a drain waits for it."""
         if self.draining.is_set():
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.config.role} worker {self.config.worker_id} is shutting down; "
                                f"retry on another worker")
-
-    @contextlib.contextmanager
-    def track(self):
-        """Counts an RPC as in flight while it runs, so a drain waits for it."""
+        key = (rpc, request_id)
         with self._inflight_lock:
-            self._inflight += 1
+            # A second call for the same id would fail in the engine, and its end would cancel the
+            # first call's sequence. ABORTED, which the router retries: the first may be a
+            # cancelled attempt still winding down.
+            if key in self._inflight_ids:
+                raise ServiceError(grpc.StatusCode.ABORTED,
+                                   f"a {rpc} for request {request_id!r} is already running on this worker")
+            self._inflight_ids.add(key)
         try:
             yield
         finally:
             with self._inflight_lock:
-                self._inflight -= 1
+                self._inflight_ids.discard(key)
 
     @property
     def num_inflight(self) -> int:
-        return self._inflight
+        return len(self._inflight_ids)
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop taking work, let what is in flight finish (up to the drain timeout), deregister, exit."""
@@ -288,12 +294,20 @@ class WorkerBase:
         log.info("%s worker %s stopped", self.config.role, self.config.worker_id)
 
 
-def run_until_signalled(worker: WorkerBase) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (Kubernetes gives terminationGracePeriodSeconds)."""
+def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
+    """`python -m prefill_svc` / `decode_svc`: serve until SIGTERM/SIGINT, then drain (Kubernetes
+    gives terminationGracePeriodSeconds)."""
+    client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
+    metrics.serve_metrics(config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    worker.start()
-    stop.wait()
-    log.info("signal received: draining")
-    worker.stop()
+    worker = worker_cls(config, StateStore(client))
+    try:
+        worker.start()
+        stop.wait()
+        log.info("signal received: draining")
+        worker.stop()
+    finally:
+        if embedded:
+            embedded.stop()

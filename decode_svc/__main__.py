@@ -1,8 +1,6 @@
 """python -m decode_svc: one decode worker (one per Kubernetes pod)."""
-from common import cli, metrics
-from common.redis_server import connect
-from common.state import StateStore
-from common.worker import WorkerConfig, run_until_signalled
+from common import cli
+from common.worker import WorkerConfig, serve
 from decode_svc.worker import DecodeWorker
 
 
@@ -12,14 +10,7 @@ def _decode_flags(parser) -> None:
 
 
 def main(argv=None) -> None:
-    config = WorkerConfig.from_args("decode", argv, port=50071, metrics_port=9102, extra=_decode_flags)
-    client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
-    metrics.serve_metrics(config.metrics_port)
-    try:
-        run_until_signalled(DecodeWorker(config, StateStore(client)))
-    finally:
-        if embedded:
-            embedded.stop()
+    serve(DecodeWorker, WorkerConfig.from_args("decode", argv, port=50071, metrics_port=9102, extra=_decode_flags))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import threading
 import time
 
 import grpc
@@ -92,27 +91,10 @@ class DecodeWorker(WorkerBase):
 class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.w = worker
-        self._rids: set[str] = set()  # request ids with a Decode call in progress here
-        self._rids_lock = threading.Lock()
 
     def Decode(self, request: internal_pb2.DecodeRequest, context):
-        w = self.w
-        w.admit()
-        rid = request.request_id
-        # A second call for the same id would fail in the engine (INTERNAL), and its end would
-        # cancel the first call's sequence: refuse it before it touches anything.
-        # ABORTED, which the router retries: the first may be a cancelled attempt still winding down.
-        with self._rids_lock:
-            if rid in self._rids:
-                raise ServiceError(grpc.StatusCode.ABORTED,
-                                   f"a Decode for request {rid!r} is already running on this worker")
-            self._rids.add(rid)
-        try:
-            with w.track():
-                yield from self._decode(request, context)
-        finally:
-            with self._rids_lock:
-                self._rids.discard(rid)
+        with self.w.serving("Decode", request.request_id):
+            yield from self._decode(request, context)
 
     def _decode(self, request, context):
         w = self.w

@@ -89,26 +89,10 @@ class PrefillWorker(WorkerBase):
 class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
         self.w = worker
-        self._rids: set[str] = set()  # request ids with a Prefill call in progress here
-        self._rids_lock = threading.Lock()
 
     def Prefill(self, request: internal_pb2.PrefillRequest, context):
-        self.w.admit()
-        rid = request.request_id
-        # A second call for the same id would fail in the engine (INTERNAL), and its end would
-        # cancel the first call's prefill: refuse it before it touches anything.
-        # ABORTED, which the router retries: the first may be a cancelled attempt still winding down.
-        with self._rids_lock:
-            if rid in self._rids:
-                raise ServiceError(grpc.StatusCode.ABORTED,
-                                   f"a Prefill for request {rid!r} is already running on this worker")
-            self._rids.add(rid)
-        try:
-            with self.w.track():
-                yield from self._prefill(request, context)
-        finally:
-            with self._rids_lock:
-                self._rids.discard(rid)
+        with self.w.serving("Prefill", request.request_id):
+            yield from self._prefill(request, context)
 
     def _prefill(self, request, context):
         w = self.w

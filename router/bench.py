@@ -25,7 +25,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from common.bench import MODEL, base_parser, chat_prompt, emit, interleave, log, percentile

@@ -1,7 +1,6 @@
 """Integration tests against a real in-process cluster: embedded Redis, real gRPC, real model."""
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -19,7 +18,6 @@ from common.redis_server import EmbeddedRedis, connect
 from common.runner import ModelRunner
 from common.sampling import SamplingParams
 from common.state import RequestState, StateStore
-from common.worker import WorkerConfig
 from decode_svc.worker import DecodeWorker
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2_grpc
 from router.cluster import Cluster
