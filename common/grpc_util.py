@@ -5,8 +5,12 @@ one interceptor here turns it into a gRPC status, for every RPC of the server.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import threading
 from concurrent import futures
+from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -200,3 +204,44 @@ def channel(address: str, *, credentials: grpc.ChannelCredentials | None = None,
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.secure_channel(address, credentials, options=options)
+
+
+class ChannelCache:
+    """Channels to peers, one per address, reused across calls.
+
+    Peer addresses come and go with pods, so idle channels beyond `max_idle` are closed, least
+    recently used first; a channel in use (inside `use()`) is never closed.
+    """
+
+    def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
+                 max_idle: int = 16):
+        self._credentials = credentials
+        self._server_name = server_name
+        self.max_idle = max_idle
+        self._channels: dict[str, grpc.Channel] = {}  # least recently used first
+        self._users: collections.Counter[str] = collections.Counter()  # calls in flight per address
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def use(self, address: str) -> Iterator[grpc.Channel]:
+        with self._lock:
+            ch = self._channels.pop(address, None) or channel(
+                address, credentials=self._credentials, server_name=self._server_name)
+            self._channels[address] = ch
+            self._users[address] += 1
+        try:
+            yield ch
+        finally:
+            with self._lock:
+                self._users[address] -= 1
+                if not self._users[address]:
+                    del self._users[address]
+                idle = [a for a in self._channels if a not in self._users]
+                for a in idle[:max(0, len(idle) - self.max_idle)]:
+                    self._channels.pop(a).close()
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()

@@ -1,13 +1,9 @@
 """The prefill worker: batches prompts, samples their first token, pushes their KV to a decode worker."""
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
 import queue
-import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 
@@ -27,15 +23,11 @@ log = logging.getLogger(__name__)
 class PrefillWorker(WorkerBase):
     service_names = ["handoff.v1.PrefillWorker"]
 
-    # Idle channels kept open to decode workers. Target addresses come with each request, and
-    # decode pods come and go: without a bound every address ever seen would keep a channel.
-    max_idle_channels = 16
-
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
-        self._channels: dict[str, grpc.Channel] = {}  # least recently used first
-        self._channel_users: collections.Counter[str] = collections.Counter()  # pushes in flight per address
-        self._channels_lock = threading.Lock()
+        # Channels to decode workers' KV ports; targets come with each request, pods come and go.
+        self.kv_channels = grpc_util.ChannelCache(credentials=self.channel_credentials,
+                                                  server_name=self.config.tls.server_name)
 
     def _num_blocks(self) -> int:
         # K/V lives here only while a prompt is computed and exported.
@@ -58,32 +50,9 @@ class PrefillWorker(WorkerBase):
                           num_waiting=len(self.engine.waiting), started_at=self.started_at,
                           block_size=self.config.block_size)
 
-    @contextlib.contextmanager
-    def kv_stub(self, address: str) -> Iterator[internal_pb2_grpc.KVTransferStub]:
-        """A KVTransfer stub for one push, over a channel cached per address."""
-        with self._channels_lock:
-            ch = self._channels.pop(address, None) or grpc_util.channel(
-                address, credentials=self.channel_credentials, server_name=self.config.tls.server_name)
-            self._channels[address] = ch
-            self._channel_users[address] += 1
-        try:
-            yield internal_pb2_grpc.KVTransferStub(ch)
-        finally:
-            with self._channels_lock:
-                self._channel_users[address] -= 1
-                if not self._channel_users[address]:
-                    del self._channel_users[address]
-                # Close the least recently used idle channels beyond the bound; never one in use.
-                idle = [a for a in self._channels if a not in self._channel_users]
-                for a in idle[:max(0, len(idle) - self.max_idle_channels)]:
-                    self._channels.pop(a).close()
-
     def stop(self, drain_timeout_s: float | None = None) -> None:
         super().stop(drain_timeout_s)
-        with self._channels_lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+        self.kv_channels.close()
 
 
 class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
@@ -130,8 +99,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
                            target_epoch=target.epoch, fingerprint=w.fingerprint(),
                            reservation_id=target.reservation_id)
         try:
-            with w.kv_stub(target.kv_address) as stub:
-                reply = stub.PushKV(chunks, timeout=context.time_remaining())
+            with w.kv_channels.use(target.kv_address) as ch:
+                reply = internal_pb2_grpc.KVTransferStub(ch).PushKV(chunks, timeout=context.time_remaining())
         except grpc.RpcError as exc:
             metrics.KV_FAILURES.labels(wid, exc.code().name.lower()).inc()
             code = exc.code()

@@ -47,24 +47,12 @@ class Router:
                                           max_messages=config.max_messages)
         self.picker = WorkerPicker(state, weights_id, lease_ttl_s=config.lease_ttl_s,
                                    queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
-        self._credentials = security.channel_credentials(config.tls)
-
-    def channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = grpc_util.channel(
-                    address, credentials=self._credentials, server_name=self.config.tls.server_name)
-            return ch
+        self.channels = grpc_util.ChannelCache(credentials=security.channel_credentials(config.tls),
+                                               server_name=config.tls.server_name)
 
     def close(self) -> None:
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+        self.channels.close()
 
 
 class RouterServicer(handoff_pb2_grpc.RouterServicer):
@@ -210,12 +198,18 @@ class GenerateCall:
         self._last_renew = time.monotonic()
         dw = self.lease.worker
         pw = r.picker.pick_prefill(exclude["prefill"])
+        with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
+            return (yield from self._relay(pw, dw, prefill_ch, decode_ch, deadline))
+
+    def _relay(self, pw, dw, prefill_ch: grpc.Channel, decode_ch: grpc.Channel, deadline: float):
+        """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client."""
+        r, req = self.r, self.req
         # A resumed request re-prefills everything but its newest token, which decode feeds next.
         ids = req.prompt_ids + self.generated[:-1]
         sampling = sampling_to_pb(req.params, req.seed)
         self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id)
         try:
-            prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(r.channel(pw.address)).Prefill(
+            prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(prefill_ch).Prefill(
                 internal_pb2.PrefillRequest(
                     request_id=self.rid, prompt_ids=ids, sampling=sampling,
                     target=internal_pb2.KVTarget(worker_id=dw.worker_id, kv_address=dw.kv_address,
@@ -231,7 +225,7 @@ class GenerateCall:
                 if self.out.finish_reason is not None:
                     return self.out.finish_reason
             self._record(RequestState.TRANSFERRING)
-            decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(r.channel(dw.address)).Decode(
+            decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
                 internal_pb2.DecodeRequest(
                     request_id=self.rid, epoch=dw.epoch, prompt_ids=ids, first_token_id=self.generated[-1],
                     sampling=sampling, num_generated=len(self.generated) - 1, kv_wait_s=r.config.kv_wait_s),

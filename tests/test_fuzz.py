@@ -1070,14 +1070,14 @@ def test_named_edge_cases(cluster, channels, baseline):
     # Pushes to many addresses (junk, or decode pods long gone) must not leave a channel open per address.
     p = cluster.prefill[0]
     pre = raw_method(channels["prefill"], "/handoff.v1.PrefillWorker/Prefill", internal_pb2.PrefillEvent)
-    for port in range(1, p.max_idle_channels + 9):
+    for port in range(1, p.kv_channels.max_idle + 9):
         target = internal_pb2.KVTarget(worker_id=d.config.worker_id, kv_address=f"127.0.0.1:{port}", epoch=d.epoch)
         raw = internal_pb2.PrefillRequest(request_id=unique_id("addr"), prompt_ids=[1, 2, 3], sampling=sp,
                                           target=target).SerializeToString()
         INPUTS["named"] += 1
         out = call_stream(pre, raw, CALL_TIMEOUT_S)
         judge(out, Verdict({"UNAVAILABLE"}, why="nothing listens there"), WORKER_CODES, raw)
-    assert len(p._channels) <= p.max_idle_channels, f"{len(p._channels)} channels kept open"
+    assert len(p.kv_channels._channels) <= p.kv_channels.max_idle, f"{len(p.kv_channels._channels)} channels kept open"
 
 
 def replace_sampling(sp: internal_pb2.SamplingParams, **fields) -> internal_pb2.SamplingParams:
@@ -1208,7 +1208,7 @@ def test_cluster_survives_fuzzing(cluster, channels, baseline):
         assert record is not None and record["state"] in TERMINAL_STATES, (rid, record)
     # The prefill worker was told to push to many addresses: it must not keep a channel open to each.
     p = cluster.prefill[0]
-    assert len(p._channels) <= p.max_idle_channels, sorted(p._channels)
+    assert len(p.kv_channels._channels) <= p.kv_channels.max_idle, sorted(p.kv_channels._channels)
     total = sum(INPUTS.values())
     print(f"\nfuzzed inputs: {total} ({dict(INPUTS)}); statuses: {dict(OUTCOMES)}")
     assert total >= 1000, f"only {total} inputs were fuzzed (run the whole module): {dict(INPUTS)}"
