@@ -30,7 +30,7 @@ test: protos
 	$(PY) -m pytest -q tests $(ARGS)
 
 bench: protos
-	$(PY) -m common.bench $(ARGS)
+	$(PY) -m common.bench.engine $(ARGS)
 	$(PY) -m router.bench $(ARGS)
 
 clean:

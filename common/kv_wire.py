@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from common.config import ModelConfig
+from common.engine.config import ModelConfig
 from protos import internal_pb2
 
 CHUNK_BYTES = 1 << 20  # payload bytes per KVData message: well under gRPC's 4 MiB default limit
@@ -43,7 +43,7 @@ class KVTransferError(ValueError):
 class ModelFingerprint:
     """What a KV cache depends on; a push is accepted only if every field matches exactly."""
 
-    weights_id: str    # hash of the weights (common.weights: content hash of the weight files)
+    weights_id: str    # hash of the weights (common.engine.weights: content hash of the weight files)
     num_layers: int
     num_kv_heads: int
     head_dim: int

@@ -1,8 +1,8 @@
 """Conversions between domain types and their protobuf messages (from_pb / to_pb), in one place."""
 from __future__ import annotations
 
-from common.output import FinishReason
-from common.sampling import SamplingParams
+from common.engine.output import FinishReason
+from common.engine.sampling import SamplingParams
 from protos import handoff_pb2, internal_pb2
 
 FINISH_TO_PB = {

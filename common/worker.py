@@ -15,18 +15,18 @@ import grpc
 import torch
 
 from common import cli, grpc_util, metrics, security
-from common.engine import Engine
+from common.engine.engine import Engine
 from common.grpc_util import ServiceError
-from common.kv_cache import KVCache
+from common.engine.kv_cache import KVCache
 from common.kv_wire import ModelFingerprint
-from common.model import Llama
-from common.models import resolve_model_path
+from common.engine.model import Llama
+from common.engine.models import resolve_model_path
 from common.redis_server import connect
-from common.runner import ModelRunner, parse_dtype
+from common.engine.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig
 from common.state import StateStore, StateUnavailable, WorkerInfo
-from common.tokenizer import load_tokenizer
-from common.weights import load_weights, trim_memory
+from common.engine.tokenizer import load_tokenizer
+from common.engine.weights import load_weights, trim_memory
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import time
 import grpc
 
 from common import grpc_util, metrics
-from common.engine import EngineConfig, TokenEvent
+from common.engine.engine import EngineConfig, TokenEvent
 from common.grpc_util import ServiceError
 from common.kv_wire import KVReceiver, KVTransferError
-from common.output import FinishReason
-from common.planner import plan
+from common.engine.output import FinishReason
+from common.engine.planner import plan
 from common.state import WorkerInfo
 from common.wire import FINISH_TO_PB, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase

@@ -8,10 +8,10 @@ import time
 import grpc
 
 from common import grpc_util, metrics
-from common.engine import EngineConfig, TokenEvent
+from common.engine.engine import EngineConfig, TokenEvent
 from common.grpc_util import ServiceError
 from common.kv_wire import encode_kv
-from common.output import FinishReason
+from common.engine.output import FinishReason
 from common.state import WorkerInfo
 from common.wire import check_token_ids, sampling_from_pb
 from common.worker import WorkerBase

@@ -6,11 +6,11 @@
 
 The cluster is `router.cluster.Cluster`: embedded Redis, a prefill and a decode worker and the router,
 talking real gRPC on loopback; the client calls the public Generate API. The peer, "engine-alone", is
-`common.engine.Engine` on a fresh ModelRunner over the same weights in the same process: what one
+`common.engine.engine.Engine` on a fresh ModelRunner over the same weights in the same process: what one
 colocated worker would do with no router, no Redis and no KV transfer. Every torch engine here (the
 cluster's and the peer) runs with the same intra-op thread count, so the difference is the path.
 
-Prints one JSON object per figure on stdout, as common.bench does. For latencies the value is the
+Prints one JSON object per figure on stdout, as common.bench.engine does. For latencies the value is the
 cluster's, "ratio" = cluster / engine-alone and lower is better; for throughput higher is better.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.bench import MODEL, base_parser, chat_prompt, emit, interleave, log, percentile
+from common.bench.engine import MODEL, base_parser, chat_prompt, emit, interleave, log, percentile
 
 SECTIONS = ("ttft", "kv", "itl", "streams32")
 PEER = "engine-alone"
@@ -121,16 +121,16 @@ class EngineAlone:
     name = PEER
 
     def __init__(self, model, tokenizer, num_blocks: int, int4_decode: bool):
-        from common.engine import Engine
-        from common.kv_cache import KVCache
-        from common.runner import ModelRunner
+        from common.engine.engine import Engine
+        from common.engine.kv_cache import KVCache
+        from common.engine.runner import ModelRunner
 
         cache = KVCache(model.config, num_blocks, 16, model.dtype, model.device)
         self.engine = Engine(ModelRunner(model, cache, int4_decode), tokenizer).start()
         self._n = 0
 
     def _submit(self, ids: list[int], max_tokens: int) -> Stream:
-        from common.sampling import SamplingParams
+        from common.engine.sampling import SamplingParams
 
         self._n += 1
         s = Stream(time.perf_counter())
@@ -291,8 +291,8 @@ def bench_streams32(cluster: ClusterClient, alone: EngineAlone, prompt: tuple[st
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> None:
-    from common.tokenizer import load_tokenizer
-    from common.models import resolve_model_path
+    from common.engine.tokenizer import load_tokenizer
+    from common.engine.models import resolve_model_path
     from router.cluster import Cluster
 
     p = base_parser("python -m router.bench", __doc__, SECTIONS, threads=0,

@@ -17,13 +17,13 @@ import threading
 from dataclasses import replace
 
 from common import cli
-from common.model import Llama
-from common.models import DEFAULT_MODEL, resolve_model_path
+from common.engine.model import Llama
+from common.engine.models import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
-from common.runner import parse_dtype
+from common.engine.runner import parse_dtype
 from common.state import StateStore
-from common.tokenizer import load_tokenizer
-from common.weights import load_weights, trim_memory
+from common.engine.tokenizer import load_tokenizer
+from common.engine.weights import load_weights, trim_memory
 from common.worker import WorkerConfig
 from decode_svc.worker import DecodeWorker
 from prefill_svc.worker import PrefillWorker

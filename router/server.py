@@ -6,10 +6,10 @@ import threading
 import time
 
 from common import grpc_util, security
-from common.models import resolve_model_path
+from common.engine.models import resolve_model_path
 from common.state import StateStore, StateUnavailable
-from common.tokenizer import load_tokenizer
-from common.weights import read_model_config, weights_id_of
+from common.engine.tokenizer import load_tokenizer
+from common.engine.weights import read_model_config, weights_id_of
 from protos import handoff_pb2_grpc
 from router.config import RouterConfig
 from router.service import Router, RouterServicer

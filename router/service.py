@@ -9,9 +9,9 @@ import grpc
 
 from common import grpc_util, metrics, security
 from common.grpc_util import ServiceError
-from common.output import FinishReason, OutputProcessor
+from common.engine.output import FinishReason, OutputProcessor
 from common.state import RequestState, StateStore, StateUnavailable
-from common.tokenizer import Tokenizer
+from common.engine.tokenizer import Tokenizer
 from common.wire import FINISH_TO_PB, sampling_to_pb
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.config import RouterConfig

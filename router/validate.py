@@ -6,9 +6,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from common.config import ModelConfig
-from common.sampling import MAX_SEED, SamplingParams, derive_seed
-from common.tokenizer import Tokenizer, TokenizerError
+from common.engine.config import ModelConfig
+from common.engine.sampling import MAX_SEED, SamplingParams, derive_seed
+from common.engine.tokenizer import Tokenizer, TokenizerError
 from protos import handoff_pb2
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

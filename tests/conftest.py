@@ -14,11 +14,11 @@ import torch
 # than it gains. Set at import so that module-level code and every fixture run single-threaded too.
 torch.set_num_threads(1)
 
-from common.engine import Engine, EngineConfig, TokenEvent  # noqa: E402
-from common.kv_cache import KVCache  # noqa: E402
-from common.model import Llama  # noqa: E402
-from common.output import FinishReason  # noqa: E402
-from common.runner import ModelRunner  # noqa: E402
+from common.engine.engine import Engine, EngineConfig, TokenEvent  # noqa: E402
+from common.engine.kv_cache import KVCache  # noqa: E402
+from common.engine.model import Llama  # noqa: E402
+from common.engine.output import FinishReason  # noqa: E402
+from common.engine.runner import ModelRunner  # noqa: E402
 
 CHAT_QUESTION = "What is the capital of France?"
 
@@ -27,19 +27,19 @@ CHAT_QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from common.models import resolve_model_path
+    from common.engine.models import resolve_model_path
     return resolve_model_path("smollm2")
 
 
 @pytest.fixture(scope="session")
 def smollm2_weights(smollm2_path):
-    from common.weights import load_weights
+    from common.engine.weights import load_weights
     return load_weights(smollm2_path, progress=False)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
-    from common.tokenizer import load_tokenizer
+    from common.engine.tokenizer import load_tokenizer
     return load_tokenizer(smollm2_path)
 
 

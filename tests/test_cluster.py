@@ -10,13 +10,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.engine import Engine, EngineConfig
-from common.kv_cache import KVCache
+from common.engine.engine import Engine, EngineConfig
+from common.engine.kv_cache import KVCache
 from common.kv_wire import encode_kv
-from common.models import resolve_model_path
+from common.engine.models import resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
-from common.runner import ModelRunner
-from common.sampling import SamplingParams
+from common.engine.runner import ModelRunner
+from common.engine.sampling import SamplingParams
 from common.state import RequestState, StateStore
 from decode_svc.worker import DecodeWorker
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2_grpc

@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from common.engine import Engine
-from common.kv_cache import KVCache
-from common.model import Llama
-from common.output import FinishReason
-from common.runner import ModelRunner
-from common.sampling import SamplingParams
+from common.engine.engine import Engine
+from common.engine.kv_cache import KVCache
+from common.engine.model import Llama
+from common.engine.output import FinishReason
+from common.engine.runner import ModelRunner
+from common.engine.sampling import SamplingParams
 from tests.conftest import CHAT_QUESTION, Sinks, run_until_done
 
 N = 16  # tokens per reference run
@@ -275,7 +275,7 @@ def test_preemption_recomputes_same_tokens(make_engine, prompts, alone, caplog):
     num_blocks = max(need.values()) + 4
     assert sum(need.values()) > num_blocks + 8
     engine = make_engine(num_blocks=num_blocks, block_size=BLOCK)
-    with caplog.at_level(logging.WARNING, logger="common.engine"):
+    with caplog.at_level(logging.WARNING, logger="common.engine.engine"):
         sinks = generate(engine, {name: (ids, GREEDY) for name, ids in prompts.items()})
     assert "preempting" in caplog.text
     for name in prompts:
@@ -289,7 +289,7 @@ def test_preemption_evicts_the_newest(make_engine, prompts, caplog):
     need = {n: -(-(len(ids) + N) // BLOCK) for n, ids in prompts.items()}
     engine = make_engine(num_blocks=max(need.values()) + 4, block_size=BLOCK)
     sinks = Sinks()
-    with caplog.at_level(logging.WARNING, logger="common.engine"):
+    with caplog.at_level(logging.WARNING, logger="common.engine.engine"):
         for name, ids in prompts.items():  # admitted together, in this order: "d" is the newest
             engine.submit(name, ids, GREEDY, sinks.sink(name))
         for _ in range(N):

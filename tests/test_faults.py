@@ -17,7 +17,7 @@ import torch
 
 from common.kv_wire import ModelFingerprint, encode_kv
 from common.state import TERMINAL_STATES, RequestState
-from common.weights import read_model_config, weights_id_of
+from common.engine.weights import read_model_config, weights_id_of
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2_grpc
 from tests.proc_cluster import ProcCluster
 

@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from common.config import ModelConfig
-from common.kv_cache import BlockPool, KVCache, OutOfBlocks
+from common.engine.config import ModelConfig
+from common.engine.kv_cache import BlockPool, KVCache, OutOfBlocks
 
 NUM_BLOCKS, BLOCK = 12, 4
 

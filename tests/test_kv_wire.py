@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from common.config import ModelConfig
+from common.engine.config import ModelConfig
 from common.kv_wire import (CHUNK_BYTES, KVReceiver, KVTransferError, ModelFingerprint, dtype_name,
                             encode_kv)
 from protos import internal_pb2

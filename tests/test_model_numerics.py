@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.kv_cache import KVCache
-from common.model import AttnContext, Llama
-from common.output import FinishReason
-from common.runner import PrefillItem
-from common.sampling import SamplingParams
+from common.engine.kv_cache import KVCache
+from common.engine.model import AttnContext, Llama
+from common.engine.output import FinishReason
+from common.engine.runner import PrefillItem
+from common.engine.sampling import SamplingParams
 from tests.conftest import CHAT_QUESTION, Sinks, hf_greedy, run_until_done
 
 GREEDY_32 = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=32)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from common.planner import kv_bytes_per_token, plan
+from common.engine.planner import kv_bytes_per_token, plan
 
 GIB = 1 << 30
 
@@ -69,7 +69,7 @@ def test_plan_rejects_bad_numbers(kw, message):
 # --------------------------------------------------------------------------- the CLI
 
 def planner(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common.planner", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "common.engine.planner", *args], capture_output=True, text=True,
                           timeout=120)
 
 

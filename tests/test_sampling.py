@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.sampling import (MAX_STOP_LEN, MAX_STOP_STRINGS, Sampler, SamplingParams, allowed_tokens,
+from common.engine.sampling import (MAX_STOP_LEN, MAX_STOP_STRINGS, Sampler, SamplingParams, allowed_tokens,
                              apply_penalties, derive_seed, seeded_uniform)
-from common.stopping import StopStringMatcher
+from common.engine.stopping import StopStringMatcher
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02]
 

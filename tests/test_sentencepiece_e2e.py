@@ -8,11 +8,11 @@ import pytest
 import sentencepiece
 import torch
 
-from common.engine import Engine
-from common.output import FinishReason
-from common.runner import ModelRunner
-from common.sampling import SamplingParams
-from common.tokenizer import SentencePieceTokenizer, load_tokenizer
+from common.engine.engine import Engine
+from common.engine.output import FinishReason
+from common.engine.runner import ModelRunner
+from common.engine.sampling import SamplingParams
+from common.engine.tokenizer import SentencePieceTokenizer, load_tokenizer
 from tests.conftest import Sinks, hf_greedy, run_until_done, save_hf_folder, tiny_hf_llama
 
 CORPUS = [

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from common.models import resolve_model_path
-from common.tokenizer import (ByteBPETokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError,
+from common.engine.models import resolve_model_path
+from common.engine.tokenizer import (ByteBPETokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError,
                               load_tokenizer)
 
 CORPUS = [
@@ -273,7 +273,7 @@ def test_unknown_pre_tokenizer_warns_and_uses_gpt2_regex(tmp_path, caplog):
     path = write_gguf(tmp_path / "tiny.gguf", model="gpt2", pre="mystery", eos_token_id=0,
                       tokens=["<|endoftext|>", "a", "b", "Ġ", "1", "ab", "Ġa"], token_type=[3, 1, 1, 1, 1, 1, 1],
                       merges=["a b", "Ġ a"])
-    with caplog.at_level(logging.WARNING, logger="common.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="common.engine.tokenizer"):
         tiny = load_tokenizer(path)
     assert "mystery" in caplog.text
     assert tiny.encode("ab a<|endoftext|>") == [5, 6, 0]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.kv_cache import KVCache
-from common.model import Llama
-from common.models import ModelNotFoundError
-from common.runner import DecodeItem, ModelRunner, PrefillItem
-from common.weights import ModelLoadError, load_weights, read_model_config, weights_id_of
+from common.engine.kv_cache import KVCache
+from common.engine.model import Llama
+from common.engine.models import ModelNotFoundError
+from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
+from common.engine.weights import ModelLoadError, load_weights, read_model_config, weights_id_of
 from tests.conftest import TINY_LLAMA, llama_cpp_permute, save_hf_folder, tiny_hf_llama, write_json, write_llama_gguf
 
 # --------------------------------------------------------------------------- bad inputs

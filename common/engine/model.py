@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.config import ModelConfig
+from common.engine.config import ModelConfig
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The KV memory planner: how many blocks and sequences fit in a memory budget.
 
-    python -m common.planner --model smollm2 --memory-gib 2
-    python -m common.planner --layers 64 --kv-heads 8 --head-dim 128 --dtype bf16 --tokens 8192
+    python -m common.engine.planner --model smollm2 --memory-gib 2
+    python -m common.engine.planner --layers 64 --kv-heads 8 --head-dim 128 --dtype bf16 --tokens 8192
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     if not math.isfinite(args.memory_gib):
         p.error(f"--memory-gib must be a finite number, got {args.memory_gib}")
     if args.model:
-        from common.models import ModelNotFoundError
-        from common.weights import ModelLoadError, read_model_config
+        from common.engine.models import ModelNotFoundError
+        from common.engine.weights import ModelLoadError, read_model_config
         try:
             cfg = read_model_config(args.model)
         except (ModelNotFoundError, ModelLoadError) as exc:

@@ -1,9 +1,9 @@
-"""python -m common.bench: the engine alone against HF transformers, same weights, same dtype, same run.
+"""python -m common.bench.engine: the engine alone against HF transformers, same weights, same dtype, same run.
 
-    python -m common.bench                         # every figure, bf16 (a few minutes)
-    python -m common.bench --quick                 # CI smoke: small sizes, under 2 minutes
-    python -m common.bench --only prefill decode --dtype fp32
-    python -m common.bench --profile               # top ops of one decode step at batch 1 and 32 (stderr)
+    python -m common.bench.engine                         # every figure, bf16 (a few minutes)
+    python -m common.bench.engine --quick                 # CI smoke: small sizes, under 2 minutes
+    python -m common.bench.engine --only prefill decode --dtype fp32
+    python -m common.bench.engine --profile               # top ops of one decode step at batch 1 and 32 (stderr)
 
 Prints one JSON object per figure on stdout: {"name", "value", "unit"}, plus "peer", "peer_value" and
 "ratio" (= value / peer_value) where the peer ran in the same process; "target" and "met" where the
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from common.bandwidth import ReadBandwidth
+    from common.bench.bandwidth import ReadBandwidth
 
 MODEL = "smollm2"
 CHAT_PROMPT_LEN = 107  # DESIGN.md's decode context: a 107-token chat prompt
@@ -139,16 +139,16 @@ class Ours:
     name = "handoff"
 
     def __init__(self, dtype: str, num_blocks: int):
-        from common.models import resolve_model_path
-        from common.runner import ModelRunner
-        from common.tokenizer import load_tokenizer
+        from common.engine.models import resolve_model_path
+        from common.engine.runner import ModelRunner
+        from common.engine.tokenizer import load_tokenizer
 
         self.runner = ModelRunner.load(MODEL, dtype=dtype, num_blocks=num_blocks, progress=False)
         self.model = self.runner.model
         self.tokenizer = load_tokenizer(resolve_model_path(MODEL))
 
     def prefill_s(self, ids: list[int]) -> float:
-        from common.runner import PrefillItem
+        from common.engine.runner import PrefillItem
 
         pool = self.runner.cache.pool
         pool.allocate("prefill", len(ids) + 1)
@@ -166,8 +166,8 @@ class HF:
     def __init__(self, dtype: str):
         from transformers import AutoModelForCausalLM, GgufConfig
 
-        from common.models import resolve_model_path
-        from common.runner import parse_dtype
+        from common.engine.models import resolve_model_path
+        from common.engine.runner import parse_dtype
 
         quiet_hf()
         p = resolve_model_path(MODEL)
@@ -192,8 +192,8 @@ class EngineDecode:
     name = "engine"
 
     def __init__(self, ours: Ours, prompt_ids: list[int], bsz: int, max_tokens: int):
-        from common.engine import Engine, EngineConfig
-        from common.sampling import SamplingParams
+        from common.engine.engine import Engine, EngineConfig
+        from common.engine.sampling import SamplingParams
 
         self.engine = Engine(ours.runner, ours.tokenizer, EngineConfig(max_running=max(64, bsz)))
         self.bsz = bsz
@@ -233,8 +233,8 @@ class RunnerDecode:
     name = "runner"
 
     def __init__(self, ours: Ours, prompt_ids: list[int], bsz: int, max_tokens: int):
-        from common.runner import PrefillItem
-        from common.sampling import Sampler, SamplingParams
+        from common.engine.runner import PrefillItem
+        from common.engine.sampling import Sampler, SamplingParams
 
         self.runner = ours.runner
         self.sampler = Sampler()
@@ -250,7 +250,7 @@ class RunnerDecode:
         return self.sampler(logits, [self.greedy] * b, [0] * b, [0] * b, [()] * b, [()] * b).tolist()
 
     def steps(self, n: int) -> list[float]:
-        from common.runner import DecodeItem
+        from common.engine.runner import DecodeItem
 
         out = []
         for _ in range(n):
@@ -325,7 +325,7 @@ def bench_prefill(ours: Ours, hf: HF, sizes: dict[int, int]) -> None:
 def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int,
                  bandwidth: "ReadBandwidth", dtype: str) -> None:
     """Per batch size: the engine, the bare runner and HF step in turn, one step each, `steps` times."""
-    from common.bandwidth import decode_bound_tok_s
+    from common.bench.bandwidth import decode_bound_tok_s
 
     _, prompt_ids = chat_prompt(ours.tokenizer, CHAT_PROMPT_LEN)
     max_tokens = warmup + steps + 8  # nobody finishes while measured
@@ -410,7 +410,7 @@ def bench_memory(probes: dict[str, subprocess.Popen]) -> None:
 def start_memory_probes(dtype: str, threads: int) -> dict[str, subprocess.Popen]:
     """One fresh process per system, so each high-water mark is its own; they run while we load."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {who: subprocess.Popen([sys.executable, "-m", "common.bench", "--memory-probe", who, "--dtype", dtype,
+    return {who: subprocess.Popen([sys.executable, "-m", "common.bench.engine", "--memory-probe", who, "--dtype", dtype,
                                    "--threads", str(threads)], stdout=subprocess.PIPE, text=True, cwd=root)
             for who in ("ours", "hf")}
 
@@ -420,7 +420,7 @@ def memory_probe(who: str, dtype: str) -> None:
 
     prompt_len, steps = 512, 32
     if who == "ours":
-        from common.runner import DecodeItem, PrefillItem
+        from common.engine.runner import DecodeItem, PrefillItem
         ours = Ours(dtype, num_blocks=-(-(prompt_len + steps + 1) // 16))
         _, ids = chat_prompt(ours.tokenizer, prompt_len)
         ours.runner.cache.pool.allocate("m", prompt_len + steps + 1)
@@ -428,8 +428,8 @@ def memory_probe(who: str, dtype: str) -> None:
         for i in range(steps):
             tok = int(ours.runner.decode([DecodeItem("m", tok, prompt_len + i)]).argmax(-1))
     else:
-        from common.models import resolve_model_path
-        from common.tokenizer import load_tokenizer
+        from common.engine.models import resolve_model_path
+        from common.engine.tokenizer import load_tokenizer
         hf = HF(dtype)
         _, ids = chat_prompt(load_tokenizer(resolve_model_path(MODEL)), prompt_len)
         loop = HFDecode(hf, ids, 1, steps)
@@ -460,7 +460,7 @@ def profile_decode(dtype: str) -> None:
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> None:
-    p = base_parser("python -m common.bench", __doc__, SECTIONS)
+    p = base_parser("python -m common.bench.engine", __doc__, SECTIONS)
     p.add_argument("--profile", action="store_true", help="profile one decode step at batch 1 and 32 (stderr)")
     p.add_argument("--memory-probe", choices=("ours", "hf"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
         log("waiting for the memory probes")
         bench_memory(probes)
     if sections & {"bandwidth", "decode"}:
-        from common.bandwidth import ReadBandwidth
+        from common.bench.bandwidth import ReadBandwidth
         bandwidth = ReadBandwidth((256 << 20) if q else (1 << 30))
         bandwidth.measure(4)
         if "decode" not in sections:

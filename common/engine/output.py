@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import enum
 
-from common.sampling import SamplingParams
-from common.stopping import StopStringMatcher
-from common.tokenizer import StreamDecoder, Tokenizer
+from common.engine.sampling import SamplingParams
+from common.engine.stopping import StopStringMatcher
+from common.engine.tokenizer import StreamDecoder, Tokenizer
 
 
 class FinishReason(str, enum.Enum):

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.config import ModelConfig
-from common.models import ModelNotFoundError, resolve_model_path
+from common.engine.config import ModelConfig
+from common.engine.models import ModelNotFoundError, resolve_model_path
 
 log = logging.getLogger(__name__)
 

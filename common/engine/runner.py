@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from common.kv_cache import KVCache
-from common.model import AttnContext, Llama
-from common.weights import load_weights, trim_memory
+from common.engine.kv_cache import KVCache
+from common.engine.model import AttnContext, Llama
+from common.engine.weights import load_weights, trim_memory
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

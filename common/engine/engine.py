@@ -18,10 +18,10 @@ from typing import Callable
 
 import torch
 
-from common.output import FinishReason, OutputProcessor
-from common.runner import DecodeItem, ModelRunner, PrefillItem
-from common.sampling import Sampler, SamplingParams, derive_seed
-from common.tokenizer import Tokenizer
+from common.engine.output import FinishReason, OutputProcessor
+from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
+from common.engine.sampling import Sampler, SamplingParams, derive_seed
+from common.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

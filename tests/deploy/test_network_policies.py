@@ -1,0 +1,121 @@
+"""The network policies allow exactly the designed paths."""
+from __future__ import annotations
+
+import pytest
+
+from tests.deploy.manifests import (
+    OVERLAYS,
+    POOLS,
+    container,
+    named_port,
+    of_kind,
+    one,
+    render,
+    selector_matches,
+)
+
+
+def namespace_labels(name: str) -> dict:
+    return {"kubernetes.io/metadata.name": name}
+
+
+def peer_matches(peer: dict, policy_ns: str, ns: str, labels: dict) -> bool:
+    if "ipBlock" in peer:
+        return False  # no ipBlock rules here; pod traffic is matched by selectors
+    if "namespaceSelector" in peer:
+        if not selector_matches(peer["namespaceSelector"], namespace_labels(ns)):
+            return False
+    elif ns != policy_ns:
+        return False
+    return selector_matches(peer.get("podSelector", {}), labels)
+
+
+def ports_match(rule_ports: list[dict] | None, port: int, protocol: str) -> bool:
+    if not rule_ports:
+        return True
+    for p in rule_ports:
+        if p.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in p or p["port"] == port or p["port"] <= port <= p.get("endPort", p["port"]):
+            return True
+    return False
+
+
+def direction_allows(policies: list[dict], direction: str, pod: tuple[str, dict], peer: tuple[str, dict],
+                     port: int, protocol: str = "TCP") -> bool:
+    """Whether pod's own policies let traffic in from peer (ingress) or out to peer (egress)."""
+    ns, labels = pod
+    selecting = [p for p in policies if p["metadata"]["namespace"] == ns
+                 and direction.capitalize() in p["spec"].get("policyTypes", ["Ingress"])
+                 and selector_matches(p["spec"]["podSelector"], labels)]
+    if not selecting:
+        return True  # no policy isolates this pod in this direction
+    peers_key = "from" if direction == "ingress" else "to"
+    for policy in selecting:
+        for rule in policy["spec"].get(direction) or []:
+            peers = rule.get(peers_key)
+            if (not peers or any(peer_matches(pe, ns, peer[0], peer[1]) for pe in peers)) \
+                    and ports_match(rule.get("ports"), port, protocol):
+                return True
+    return False
+
+
+def allowed(policies: list[dict], src: tuple[str, dict], dst: tuple[str, dict], port: int, protocol="TCP") -> bool:
+    """Whether NetworkPolicies let pod src (namespace, labels) open port on pod dst."""
+    return (direction_allows(policies, "egress", src, dst, port, protocol)
+            and direction_allows(policies, "ingress", dst, src, port, protocol))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_allow_exactly_the_designed_paths(overlay):
+    objs = render(overlay)
+    policies = of_kind(objs, "NetworkPolicy")
+    ns = "handoff"
+    pods = {c: (ns, one(objs, "Deployment", c)["spec"]["template"]["metadata"]["labels"]) for c in (*POOLS, "redis")}
+    ctrs = {c: container(one(objs, "Deployment", c)) for c in (*POOLS, "redis")}
+    port = {(c, name): named_port(ctrs[c], name) for c in ctrs for name in
+            {"router": ("grpc", "metrics"), "prefill": ("grpc", "metrics"),
+             "decode": ("grpc", "kv", "metrics"), "redis": ("redis",)}[c]}
+    client = ("clients", {"app": "some-client"})  # a pod in another namespace
+    stranger = (ns, {"app": "stranger"})  # an unrelated pod in handoff's namespace
+    prometheus = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
+    dns = ("kube-system", {"k8s-app": "kube-dns"})
+    everyone = [client, stranger, prometheus, *pods.values()]
+
+    names = {id(v): k for k, v in pods.items()} | {id(client): "client", id(stranger): "stranger",
+                                                   id(prometheus): "prometheus"}
+
+    def who_reaches(dst: str, port_name: str, ingress_only: bool = False) -> set[str]:
+        def ok(src):
+            if ingress_only:  # the destination's own rules, as if every source could send anything
+                return direction_allows(policies, "ingress", pods[dst], src, port[(dst, port_name)])
+            return allowed(policies, src, pods[dst], port[(dst, port_name)])
+        return {names[id(src)] for src in everyone if src is not pods[dst] and ok(src)}
+
+    # The router's API is open to clients outside the namespace; no handoff pod calls it.
+    assert who_reaches("router", "grpc") == {"client", "prometheus"}
+    # Each internal port is closed by its own ingress rules, whatever the senders' egress says.
+    for ingress_only in (False, True):
+        assert who_reaches("prefill", "grpc", ingress_only) == {"router"}
+        assert who_reaches("decode", "grpc", ingress_only) == {"router"}
+        assert who_reaches("decode", "kv", ingress_only) == {"prefill"}, "only prefill workers push KV"
+        assert who_reaches("redis", "redis", ingress_only) == {"router", "prefill", "decode"}
+        for component in POOLS:
+            assert who_reaches(component, "metrics", ingress_only) == {"prometheus"}, f"{component} metrics"
+    # And each pod opens only the connections its role needs.
+    opens = {c: {(d, name) for (d, name) in port if d != c and allowed(policies, pods[c], pods[d], port[(d, name)])}
+             for c in pods}
+    assert opens == {"router": {("prefill", "grpc"), ("decode", "grpc"), ("redis", "redis")},
+                     "prefill": {("decode", "kv"), ("redis", "redis")},
+                     "decode": {("redis", "redis")},
+                     "redis": set()}, opens
+    # Workers of one pool do not talk to each other, and nobody reaches an unopened port.
+    assert not allowed(policies, pods["prefill"], pods["prefill"], port[("prefill", "grpc")])
+    assert not allowed(policies, pods["decode"], pods["decode"], port[("decode", "kv")])
+    assert not allowed(policies, client, pods["decode"], 22)
+    for src in pods.values():
+        assert allowed(policies, src, dns, 53, "UDP") and allowed(policies, src, dns, 53, "TCP"), "DNS egress"
+    # Nothing else leaves the namespace: no egress to the internet or the API server.
+    outside = ("elsewhere", {"app": "anything"})
+    for src in pods.values():
+        assert not allowed(policies, src, outside, 443)

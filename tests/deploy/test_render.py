@@ -1,0 +1,57 @@
+"""The overlays render with kubectl kustomize and validate against the Kubernetes schemas."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.deploy.manifests import (
+    K8S_VERSION,
+    OVERLAYS,
+    POOLS,
+    container,
+    of_kind,
+    one,
+    render,
+)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_builds_with_every_pool(overlay):
+    objs = render(overlay)
+    for component in POOLS:
+        one(objs, "Deployment", component)
+        one(objs, "HorizontalPodAutoscaler", component)
+        one(objs, "PodDisruptionBudget", component)
+    one(objs, "Deployment", "redis")
+    one(objs, "Service", "redis")
+    one(objs, "Service", "router")
+    assert len(of_kind(objs, "ConfigMap")) == 1
+    namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
+    assert namespaces == {"handoff"}, f"every object goes into the overlay's namespace, got {namespaces}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_the_kubernetes_schema(overlay):
+    import kubernetes_validate
+
+    errors = []
+    for obj in render(overlay):
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            errors.append(exc.message)
+    assert not errors, "\n".join(errors)
+
+
+def test_schema_validation_rejects_a_misspelt_field():
+    """The validator is not a no-op: a typo in a probe (as in a hand edit) fails strict validation."""
+    import kubernetes_validate
+
+    deployment = copy.deepcopy(one(render("cpu"), "Deployment", "prefill"))
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    container(deployment)["readinessProbe"]["grpc"]["prot"] = 50061
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)

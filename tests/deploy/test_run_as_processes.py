@@ -1,0 +1,364 @@
+"""The cpu overlay's services started as local processes, exactly as the Deployments describe them."""
+from __future__ import annotations
+
+import base64
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+import grpc
+import pytest
+
+from tests.deploy.manifests import (
+    API_KEYS_SECRET,
+    COMPOSED,
+    POOLS,
+    ROOT,
+    TLS_SECRET,
+    compose,
+    container,
+    kustomize_build,
+    named_port,
+    of_kind,
+    one,
+    parse_quantity,
+    pod_spec,
+    render,
+)
+
+
+class Resolver:
+    """Turns a rendered container into the argv and environment the kubelet would give it."""
+
+    def __init__(self, objs: list[dict], pod_ip: str = "127.0.0.1", rewrite=lambda value: value) -> None:
+        """rewrite(value) is applied to every ConfigMap value and literal env value (to move
+        ports and the Redis address onto this machine) before any $(VAR) expansion."""
+        self.rewrite = rewrite
+        self.config = {o["metadata"]["name"]: {k: rewrite(v) for k, v in o.get("data", {}).items()}
+                       for o in of_kind(objs, "ConfigMap")}
+        self.secrets = {o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in o.get("data", {}).items()}
+                        for o in of_kind(objs, "Secret")}
+        for o in of_kind(objs, "Secret"):
+            self.secrets[o["metadata"]["name"]].update(o.get("stringData", {}))
+        self.pod_ip = pod_ip
+
+    def env(self, deployment: dict, ctr: dict) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for source in ctr.get("envFrom", []):
+            prefix = source.get("prefix", "")
+            if "configMapRef" in source:
+                env.update({prefix + k: v for k, v in self.config[source["configMapRef"]["name"]].items()})
+            if "secretRef" in source:
+                env.update({prefix + k: v for k, v in self.secrets[source["secretRef"]["name"]].items()})
+        for var in ctr.get("env", []):
+            if "value" in var:
+                env[var["name"]] = expand(self.rewrite(var["value"]), env)
+                continue
+            ref = var["valueFrom"]
+            if "configMapKeyRef" in ref:
+                value = self.config[ref["configMapKeyRef"]["name"]][ref["configMapKeyRef"]["key"]]
+            elif "secretKeyRef" in ref:
+                value = self.secrets[ref["secretKeyRef"]["name"]][ref["secretKeyRef"]["key"]]
+            elif "fieldRef" in ref:
+                value = {"status.podIP": self.pod_ip, "status.hostIP": self.pod_ip,
+                         "metadata.name": f"{deployment['metadata']['name']}-0",
+                         "metadata.namespace": deployment["metadata"].get("namespace", "default"),
+                         "spec.nodeName": "localhost"}[ref["fieldRef"]["fieldPath"]]
+            elif "resourceFieldRef" in ref:
+                field = ref["resourceFieldRef"]
+                kind, resource = field["resource"].split(".", 1)
+                amount = parse_quantity(ctr["resources"][kind][resource])
+                value = str(math.ceil(amount / parse_quantity(field.get("divisor", "1"))))
+            else:
+                raise AssertionError(f"unsupported env source {ref}")
+            env[var["name"]] = value
+        return env
+
+    def argv(self, ctr: dict, env: dict[str, str]) -> list[str]:
+        return [expand(a, env) for a in ctr.get("command", []) + ctr.get("args", [])]
+
+    def mount_secrets(self, deployment: dict, ctr: dict, root: Path) -> dict[str, Path]:
+        """The container's Secret volumes written under `root`, one file per key with the volume's
+        defaultMode, as the kubelet mounts them; returns mountPath -> local folder."""
+        volumes = {v["name"]: v for v in pod_spec(deployment).get("volumes", [])}
+        mounted = {}
+        for mount in ctr.get("volumeMounts", []):
+            source = volumes[mount["name"]].get("secret")
+            if source is None:
+                continue
+            assert source["secretName"] in self.secrets, f"{ctr['name']}: no Secret {source['secretName']} rendered"
+            folder = root / mount["mountPath"].strip("/")
+            folder.mkdir(parents=True)
+            for key, value in self.secrets[source["secretName"]].items():
+                (folder / key).write_text(value)
+                (folder / key).chmod(source.get("defaultMode", 0o644))
+            mounted[mount["mountPath"].rstrip("/")] = folder
+        return mounted
+
+
+def remap_mounted(env: dict[str, str], mounted: dict[str, Path]) -> dict[str, str]:
+    """Environment values that are paths on a mounted volume, moved to where it was written here;
+    each must name a file the volume holds."""
+    out = dict(env)
+    for name, value in env.items():
+        for mount_path, folder in mounted.items():
+            if value.startswith(mount_path + "/"):
+                local = folder / value[len(mount_path) + 1:]
+                assert local.is_file(), f"{name}={value}: the mounted Secret has no such key"
+                out[name] = str(local)
+    return out
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion: known names are replaced, $$ escapes, the rest stays."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("$(", i) and (end := text.find(")", i + 2)) != -1:
+            name = text[i + 2:end]
+            out.append(env.get(name, text[i:end + 1]))
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def test_expand_matches_the_kubelet():
+    env = {"A": "1", "B": "two"}
+    assert expand("--a=$(A) $(B)$(B)", env) == "--a=1 twotwo"
+    assert expand("$$(A) $(C) $(A", env) == "$(A) $(C) $(A"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_serving(port: int, proc: subprocess.Popen, deadline: float, what: str, logs,
+                 channel: grpc.Channel | None = None) -> None:
+    """Health on `port` (plaintext, as the kubelet probes, unless a channel is given) is SERVING by the deadline."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with channel or grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        status = "no answer"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"{what} exited with code {proc.returncode} before SERVING\n{logs()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as exc:
+                status = exc.code().name
+            time.sleep(0.25)
+    pytest.fail(f"{what}: health on port {port} still {status} at the startup probe's deadline\n{logs()}")
+
+
+def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None, api_key: str | None = None) -> None:
+    """Start router, prefill and decode as the rendered Deployments describe them, wait for their
+    probes, send one Generate through the router (over `client_tls`, with `api_key`), check the
+    autoscalers' metrics, then SIGTERM them all and check that they drain in time."""
+    from common import grpc_util, security
+    from common.redis_server import EmbeddedRedis, connect
+    from common.state import StateStore
+    from protos import handoff_pb2, handoff_pb2_grpc
+
+    deployments = {c: one(objs, "Deployment", c) for c in (*POOLS, "redis")}
+
+    # Redis: the password the Redis Deployment requires, from the rendered Secret.
+    redis_ctr = container(deployments["redis"])
+    plain = Resolver(objs)
+    redis_argv = plain.argv(redis_ctr, plain.env(deployments["redis"], redis_ctr))
+    password = redis_argv[redis_argv.index("--requirepass") + 1]
+    assert password and "$(" not in password, "the Redis password resolves from the Secret"
+    redis_service = one(objs, "Service", "redis")
+    service_hosts = {redis_service["metadata"]["name"],
+                     f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc"}
+
+    # Every port a service listens on moves to a free local one (three "pods" share 127.0.0.1).
+    port_map: dict[int, int] = {}
+    for component in POOLS:
+        for p in container(deployments[component])["ports"]:
+            while (local := free_port()) in port_map.values():
+                pass
+            port_map[p["containerPort"]] = local
+
+    server = EmbeddedRedis(password=password).start()
+    procs: dict[str, subprocess.Popen] = {}
+    log_paths = {c: tmp_path / f"{c}.log" for c in POOLS}
+
+    def logs() -> str:
+        return "\n".join(f"--- {c} log (tail) ---\n{p.read_text(errors='replace')[-3000:]}"
+                         for c, p in log_paths.items() if p.exists())
+
+    def rewrite(value: str) -> str:
+        if value.isdigit() and int(value) in port_map:
+            return str(port_map[int(value)])
+        url = urlparse(value)
+        if url.scheme == "redis" and url.hostname in service_hosts:
+            return urlunparse(url._replace(netloc=f"127.0.0.1:{server.port}"))
+        return value
+
+    def channel(port: int) -> grpc.Channel:
+        """As a client of the router, or as the prefill worker it is not (for the KV port)."""
+        credentials = security.channel_credentials(client_tls) if client_tls else None
+        return grpc_util.channel(f"127.0.0.1:{port}", credentials=credentials,
+                                 server_name=client_tls.server_name if client_tls else None)
+
+    resolver = Resolver(objs, rewrite=rewrite)
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HANDOFF_", "REDIS_"))}
+    try:
+        for component in POOLS:
+            deployment, ctr = deployments[component], container(deployments[component])
+            mounted = resolver.mount_secrets(deployment, ctr, tmp_path / component)
+            env = remap_mounted(resolver.env(deployment, ctr), mounted)
+            argv = resolver.argv(ctr, env)
+            unresolved = [a for a in argv if "$(" in a]
+            assert not unresolved, f"{component}: unresolved references {unresolved}"
+            hard_coded = [a for a in argv if a.rpartition("=")[2].isdigit()
+                          and int(a.rpartition("=")[2]) in port_map and int(a.rpartition("=")[2]) not in port_map.values()]
+            assert not hard_coded, f"{component}: ports written into args instead of taken from the ConfigMap: {hard_coded}"
+            for p in ctr["ports"]:  # each containerPort reaches the process, through the ConfigMap
+                assert str(port_map[p["containerPort"]]) in argv + list(env.values()), \
+                    f"{component}: containerPort {p['containerPort']} ({p['name']}) is not what it is told to serve"
+            assert argv[0] == "python", argv
+            with open(log_paths[component], "wb") as log:
+                procs[component] = subprocess.Popen([sys.executable, *argv[1:]], cwd=ROOT, env={**inherited, **env},
+                                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+        # Probes: each one's port must answer SERVING within what the startup probe allows
+        # (capped here so a hung service fails the test in bounded time).
+        startup_s = min(container(deployments[c])["startupProbe"]["periodSeconds"]
+                        * container(deployments[c])["startupProbe"]["failureThreshold"] for c in POOLS)
+        deadline = time.monotonic() + min(startup_s, 180)
+        for component in POOLS:
+            ctr = container(deployments[component])
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                wait_serving(port_map[ctr[probe]["grpc"]["port"]], procs[component], deadline,
+                             f"{component} {probe}", logs)
+        decode_ctr = container(deployments["decode"])
+        kv_port = port_map[named_port(decode_ctr, "kv")]
+        wait_serving(kv_port, procs["decode"], time.monotonic() + 10, "decode KV port", logs, channel(kv_port))
+
+        # The workers registered the addresses the downward API gave them (podIP -> 127.0.0.1).
+        client, _ = connect(f"redis://127.0.0.1:{server.port}/0", password=password)
+        store = StateStore(client)
+        prefill_ctr = container(deployments["prefill"])
+        registered = {(w.role, w.address, w.kv_address) for w in store.list_workers()}
+        assert ("prefill", f"127.0.0.1:{port_map[named_port(prefill_ctr, 'grpc')]}") in \
+            {(r, a) for r, a, _ in registered}, registered
+        assert ("decode", f"127.0.0.1:{port_map[named_port(decode_ctr, 'grpc')]}",
+                f"127.0.0.1:{port_map[named_port(decode_ctr, 'kv')]}") in registered, registered
+
+        # One Generate through the router's port, as a client behind the router Service would.
+        router_port = port_map[named_port(container(deployments["router"]), "grpc")]
+        metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+        request = handoff_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=8, temperature=0.0)
+        with channel(router_port) as ch:
+            stub = handoff_pb2_grpc.RouterStub(ch)
+            for attempt in range(20):  # the router may not have read the registry yet
+                try:
+                    chunks = list(stub.Generate(request, timeout=60, metadata=metadata))
+                    break
+                except grpc.RpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED) \
+                            or attempt == 19:
+                        pytest.fail(f"Generate failed: {exc.code().name}: {exc.details()}\n{logs()}")
+                    time.sleep(0.5)
+            if api_key:
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(request, timeout=60))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, "the router asks for an API key"
+        token_ids = [t for c in chunks for t in c.token_ids]
+        assert 1 <= len(token_ids) <= 8, token_ids
+        assert chunks[-1].finish_reason in (handoff_pb2.FINISH_REASON_STOP, handoff_pb2.FINISH_REASON_LENGTH)
+        assert "".join(c.text for c in chunks).strip(), "decoded text came back"
+        if client_tls:  # every serving port refuses a plaintext caller
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            for port in (router_port, port_map[named_port(prefill_ctr, "grpc")],
+                         port_map[named_port(decode_ctr, "grpc")], kv_port):
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as info:
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE, f"port {port} answered plaintext"
+
+        # The autoscalers' Pods metrics are exported where the scrape annotations point.
+        for component in POOLS:
+            deployment = deployments[component]
+            scrape_port = int(deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
+            path = deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port_map[scrape_port]}{path}", timeout=5) as resp:
+                body = resp.read().decode()
+            hpa = one(objs, "HorizontalPodAutoscaler", component)
+            for m in hpa["spec"]["metrics"]:
+                if m["type"] == "Pods":
+                    name = m["pods"]["metric"]["name"]
+                    assert re.search(rf"^{name}(\{{| )", body, re.M), f"{component} exports no {name} for its HPA"
+
+        # SIGTERM, as the kubelet sends after preStop: every service drains and exits in time.
+        started = time.monotonic()
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for component, proc in procs.items():
+            grace_s = pod_spec(deployments[component])["terminationGracePeriodSeconds"]
+            try:
+                proc.wait(timeout=max(0.0, started + grace_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{component} still running {grace_s} s after SIGTERM: the kubelet would SIGKILL it\n"
+                            f"{logs()}")
+            assert proc.returncode == 0, f"{component} exited with {proc.returncode} after SIGTERM\n{logs()}"
+        assert store.list_workers() == [], "drained workers deregister"
+        client.close()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        server.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
+    run_as_local_processes(render("cpu"), tmp_path)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
+    """The components' wiring, run: certificates and keys from mounted Secrets, mutual TLS between
+    the services (through the ConfigMap's tls-server-name: the certificate names no IP), probes
+    on the plaintext health ports, and a Generate over TLS with an API key."""
+    from common.security import TLSConfig
+    from tests.test_security import make_ca, make_cert
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = make_ca(pki, "ca")
+    cert, key = make_cert(pki, "handoff", ca)
+    api_key = "deploy-test-key-0123"
+    folder = tmp_path / "kustomize"
+    folder.mkdir()
+    overlay, components = COMPOSED["cpu+tls"]
+    compose(folder, overlay, components, secrets={
+        TLS_SECRET: {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(), "ca.crt": ca[0].read_bytes()},
+        API_KEYS_SECRET: {"api-keys": f"# test keys\nsome-other-key\n{api_key}\n".encode()}})
+    objs = kustomize_build(folder)
+    server_name = of_kind(objs, "ConfigMap")[0]["data"]["tls-server-name"]
+    # The client: trusts the CA; the router's public port asks for no client certificate, and the
+    # certificate is handed over for the KV-port check only.
+    client_tls = TLSConfig(cert=str(cert), key=str(key), ca=str(ca[0]), server_name=server_name)
+    run_as_local_processes(objs, tmp_path, client_tls=client_tls, api_key=api_key)
