@@ -344,3 +344,114 @@ def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, int4_decod
     together = generate(make_engine(num_blocks=256, **kw), {n: (ids, GREEDY) for n, ids in prompts.items()})
     for name in prompts:
         assert together[name].token_ids == solo[name], name
+
+
+# --------------------------------------------------------------------------- invariant 4 in the serving dtype
+# bf16 weights with packed int4 decode is what a worker runs by default; fp32 is the extra case.
+
+SERVING = [dict(dtype=torch.bfloat16, int4_decode=True), dict(dtype=torch.float32)]
+SERVING_IDS = ["bf16+int4", "fp32"]
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, seed=20261201, max_tokens=N, ignore_eos=True)
+
+
+def _mixed_requests(prompts) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Greedy and seeded sampled requests over every prompt: the company each one decodes in."""
+    reqs = {f"g-{n}": (ids, GREEDY) for n, ids in prompts.items()}
+    reqs |= {f"s-{n}": (ids, replace(SAMPLED, seed=SAMPLED.seed + i)) for i, (n, ids) in enumerate(prompts.items())}
+    return reqs
+
+
+@pytest.fixture(scope="module", params=SERVING, ids=SERVING_IDS)
+def serving(request, make_engine, prompts):
+    """(engine kwargs, every request's tokens decoded alone)."""
+    kw = dict(request.param, block_size=BLOCK)
+    solo = {name: generate(make_engine(num_blocks=64, **kw), {name: req})[name].token_ids
+            for name, req in _mixed_requests(prompts).items()}
+    return kw, solo
+
+
+def test_sampled_and_greedy_tokens_do_not_depend_on_the_batch(make_engine, prompts, serving):
+    kw, solo = serving
+    together = generate(make_engine(num_blocks=256, **kw), _mixed_requests(prompts))
+    assert {n: c.token_ids for n, c in together.items()} == solo
+    assert any(solo[f"s-{n}"] != solo[f"g-{n}"] for n in prompts), "the seeded requests did not sample"
+
+
+def test_resume_replays_the_completion_and_continues_exactly(make_engine, prompts, serving):
+    """What a failover does: the prompt is prefilled alone and the tokens already streamed are
+    replayed as decode rows (several per step), then decoding goes on with the same tokens as a run
+    that was never interrupted, greedy and sampled, while other sequences decode beside it."""
+    kw, solo = serving
+    reqs = _mixed_requests(prompts)
+    engine = make_engine(num_blocks=256, max_replay_rows=4, **kw)
+    replay_rows: list[int] = []  # rows that only recompute K/V, per decode step
+    decode = engine.runner.decode
+
+    def counting_decode(items):
+        replay_rows.append(sum(not it.sample for it in items))
+        return decode(items)
+
+    engine.runner.decode = counting_decode
+    sinks = Sinks()
+    for i, (name, (ids, params)) in enumerate(reqs.items()):
+        k = 1 + i % (N - 2)  # tokens already streamed before the "failover": 1 .. N-2
+        engine.submit(name, ids, params, sinks.sink(name), output_ids=solo[name][:k])
+    run_until_done(engine, sinks)
+    assert_all_free(engine)
+    for i, name in enumerate(reqs):
+        k = 1 + i % (N - 2)
+        assert sinks[name].token_ids == solo[name][k:], name
+    # Every token before the newest is replayed once, at most 4 rows a step.
+    assert sum(replay_rows) == sum(i % (N - 2) for i in range(len(reqs)))
+    assert max(replay_rows) == 4, replay_rows
+
+
+def test_resume_from_parked_kv_replays_the_completion(make_engine, prompts, serving):
+    """The decode worker's path: the prompt's K/V from a prefill-only engine is parked in the pool,
+    then claimed by a sequence that already streamed some tokens."""
+    kw, solo = serving
+    reqs = _mixed_requests(prompts)
+    prefill = make_engine(num_blocks=256, prefill_only=True, **kw)
+    decode = make_engine(num_blocks=256, **kw)
+    sinks = Sinks()
+    for i, (name, (ids, params)) in enumerate(reqs.items()):
+        k = 1 + (3 * i) % (N - 1)
+        exported = generate(prefill, {name: (ids, params)}, output_ids=solo[name][:k])[name].events[-1]
+        assert exported.token_ids == [] and exported.kv.shape[2] == len(ids)  # resumed: K/V only
+        parked = decode.park(name, exported.kv)
+        decode.step()  # placed by the engine's next step
+        assert parked.result(timeout=0) is None
+        decode.submit(name, ids, params, sinks.sink(name), output_ids=solo[name][:k], parked=True)
+    run_until_done(decode, sinks)
+    assert_all_free(decode)
+    for i, name in enumerate(reqs):
+        k = 1 + (3 * i) % (N - 1)
+        assert sinks[name].token_ids == solo[name][k:], name
+
+
+def test_preemption_recomputes_same_tokens_in_the_serving_dtype(make_engine, prompts, serving, caplog):
+    kw, solo = serving
+    reqs = _mixed_requests(prompts)
+    need = {n: -(-(len(ids) + N) // BLOCK) for n, (ids, _) in reqs.items()}
+    engine = make_engine(num_blocks=max(need.values()) + 8, **kw)
+    with caplog.at_level(logging.WARNING, logger="common.engine.engine"):
+        sinks = generate(engine, reqs)
+    assert "preempting" in caplog.text
+    assert {n: c.token_ids for n, c in sinks.items()} == solo
+
+
+def test_parked_kv_is_counted_in_the_pool_and_freed_by_cancel(make_engine, prompts):
+    prefill = make_engine(num_blocks=64, block_size=BLOCK, prefill_only=True)
+    kv = generate(prefill, {"d": (prompts["d"], GREEDY)})["d"].events[-1].kv
+    decode = make_engine(num_blocks=len(prompts["d"]) // BLOCK + 2, block_size=BLOCK)
+    first = decode.park("d1", kv)
+    second = decode.park("d2", kv)
+    decode.step()
+    assert first.result(timeout=0) is None
+    assert "free blocks" in second.result(timeout=0)  # the pool cannot hold two: refused, nothing allocated
+    assert decode.num_parked == 1 and decode.pool.num_free_blocks < decode.pool.num_blocks
+    decode.check_integrity()
+    decode.cancel("d1")
+    decode.step()
+    assert_all_free(decode)
+    assert decode.num_parked == 0

@@ -131,3 +131,53 @@ def test_bf16_logits_refine_the_top_candidates(smollm2_model, smollm2_tokenizer,
     top = logits.topk(8, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-4)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype,int4", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
+                         ids=["bf16+int4", "bf16", "fp32"])
+def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_tokenizer, dtype, int4):
+    """Invariant 4 at its root: the logits a decode row gives (and the K/V it writes) do not depend on
+    the batch's size or on the other rows' context lengths, which set the attention span. Contexts from
+    1 to ~600 tokens; batches from 1 to 40 rows, some of them rows of one sequence (replay)."""
+    from common.engine.runner import DecodeItem
+    runner = make_runner(num_blocks=1024, dtype=dtype, int4_decode=int4)
+    pool = runner.cache.pool
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 5, 17, 63, 64, 65, 130, 333, 600]
+    for i, n in enumerate(lens):
+        ids = torch.randint(0, runner.model.config.vocab_size, (n,), generator=gen).tolist()
+        pool.allocate(f"s{i}", n + 8)
+        runner.prefill([PrefillItem(f"s{i}", ids)])
+    # Each candidate row: (seq, position); the rows of one sequence write consecutive positions.
+    rows = [DecodeItem(f"s{i}", 7 + i, n) for i, n in enumerate(lens)]
+    rows += [DecodeItem("s8", 100 + k, lens[8] + 1 + k) for k in range(4)]
+    alone = []
+    for j, it in enumerate(rows):
+        # A replay row needs the rows before it in place: run those first, alone too.
+        alone.append(runner.decode([it])[0].clone())
+    for bsz in (2, 7, 13):
+        order = torch.randperm(len(rows), generator=gen)[:bsz].tolist()
+        # Keep each sequence's rows in position order within the batch, as the engine does.
+        batch = sorted(order, key=lambda k: (rows[k].seq_id, rows[k].position))
+        got = runner.decode([rows[k] for k in batch])
+        for r, k in enumerate(batch):
+            assert torch.equal(got[r], alone[k]), f"row {rows[k]} differs at batch {bsz}"
+
+
+def test_decode_logits_are_exact_at_the_top_and_close_below(smollm2_model, chat_ids):
+    """The decode LM head is int8 (batch-invariant) with the best REFINE_TOP logits recomputed in fp32:
+    greedy stays exact, and the sampled distribution is within a small total-variation distance."""
+    model = smollm2_model(torch.bfloat16)
+    ids = chat_ids(LONG_TEXT)
+    n = len(ids)
+    cache = KVCache(model.config, num_blocks=-(-n // 16), block_size=16, dtype=torch.bfloat16)
+    cache.pool.allocate("x", n)
+    ctx = AttnContext(slot_mapping=torch.tensor(cache.slots(cache.pool.block_table("x"), 0, n)), prefill_lens=[n])
+    hidden = model(torch.tensor(ids), torch.arange(n), ctx, cache.kv)
+    exact = hidden @ model.lm_head_fp32.T
+    logits = model.decode_logits(hidden)
+    top = exact.topk(8, dim=-1).indices
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    tv = 0.5 * (logits.softmax(-1) - exact.softmax(-1)).abs().sum(-1)  # [N]
+    assert tv.max().item() < 0.03, tv.max().item()

@@ -4,11 +4,20 @@ Sequences join and leave the running batch at any step. Each sequence streams it
 tokens to a `sink` callback, called from the engine thread (keep it non-blocking).
 The prefill and decode services wrap exactly this: a prefill worker runs it with
 `prefill_only=True` (it stops after the first token and exports the K/V), a decode
-worker submits sequences whose K/V arrived over the wire.
+worker parks K/V that arrived over the wire in its pool (`park`) and then submits the
+sequence that continues from it.
+
+A sequence's tokens never depend on how it got its K/V (invariant 4). The prompt's K/V always
+comes from one prefill forward of the prompt alone, and every completion token's K/V from a
+decode-step row (rows are batch-invariant, see model.py). So a sequence that resumes with
+tokens it already has (after a failover, or after preemption here) prefills its prompt only and
+then *replays* the known tokens as decode rows (several per step, K/V only), instead of
+prefilling them, which would compute their K/V with other GEMM shapes and other bits.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -47,7 +56,9 @@ class Sequence:
     sink: Callable[[TokenEvent], None]
     output: OutputProcessor | None
     output_ids: list[int] = field(default_factory=list)
-    kv: torch.Tensor | None = None  # K/V that arrived from a prefill worker, not yet placed
+    kv: torch.Tensor | None = None  # K/V of the prompt handed in with submit(), not yet placed
+    parked: bool = False  # its prompt's K/V is already in the pool (park()), under seq_id
+    num_computed: int = 0  # tokens whose K/V is in the cache
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
 
@@ -55,8 +66,9 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,9 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # token budget of one prefill batch
     max_running: int = 64  # sequences in the decode batch
     prefill_only: bool = False
+    # Rows of replayed tokens (a resumed sequence recomputing its completion's K/V) per decode step,
+    # on top of one row per running sequence: bounds how much one resume slows everyone's step.
+    max_replay_rows: int = 64
 
 
 class Engine:
@@ -81,30 +96,46 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seqs: dict[str, Sequence] = {}  # engine-thread only
+        # seq_id -> (tokens, time parked) of K/V placed in the pool by park() and not yet claimed
+        # by submit(parked=True); engine-thread only. Counted in the pool like any sequence's.
+        self._parked: dict[str, tuple[int, float]] = {}
         self.num_steps = 0
 
     # ------------------------------------------------------------------ public, thread-safe
 
     def submit(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[TokenEvent], None], *, seed: int | None = None,
-               output_ids: list[int] | None = None, kv: torch.Tensor | None = None) -> None:
-        """Queue a sequence. With `output_ids`, it resumes after tokens already generated;
-        with `kv` (K/V of every token but the last of prompt+output), it skips prefill."""
+               output_ids: list[int] | None = None, kv: torch.Tensor | None = None,
+               parked: bool = False) -> None:
+        """Queue a sequence. With `output_ids`, it resumes after tokens already generated (their K/V
+        is replayed). With `kv` (the prompt's K/V, [layers, 2, len(prompt_ids), Hkv, D]) or `parked`
+        (that K/V was placed by park() under seq_id), it skips the prompt's prefill."""
         seq = Sequence(seq_id, list(prompt_ids), params,
                        seed if seed is not None else derive_seed(params.seed), sink,
-                       None if self.config.prefill_only else
                        OutputProcessor(self.tokenizer, params, len(prompt_ids), self.max_context),
-                       output_ids=list(output_ids or []), kv=kv)
-        if seq.output is not None:
-            # Resumed sequences: replay earlier tokens so stop strings and length see them.
-            for t in seq.output_ids:
-                seq.output.push(t)
-                if seq.output.finish_reason is not None:
-                    # Already over (say the first token was EOS): nothing to compute.
-                    sink(TokenEvent(seq_id, [], "", seq.output.finish_reason))
-                    return
+                       output_ids=list(output_ids or []), kv=kv, parked=parked)
+        if kv is not None and kv.shape[2] != len(seq.prompt_ids):
+            raise ValueError(f"kv holds {kv.shape[2]} tokens, the prompt has {len(seq.prompt_ids)}")
+        # Resumed sequences: replay earlier tokens so stop strings and length see them.
+        for t in seq.output_ids:
+            seq.output.push(t)
+            if seq.output.finish_reason is not None:
+                # Already over (say the first token was EOS): nothing to compute.
+                if parked:
+                    self.cancel(seq_id)  # free what was parked for it
+                sink(TokenEvent(seq_id, [], "", seq.output.finish_reason))
+                return
         self._inbox.put(("submit", seq))
         self._wake.set()
+
+    def park(self, seq_id: str, kv: torch.Tensor) -> "concurrent.futures.Future[str | None]":
+        """Place a prompt's K/V ([layers, 2, tokens, Hkv, D]) in the pool under seq_id, for a later
+        submit(parked=True). The future gives None once placed, or why it was refused (the pool has
+        no room now, or could never hold it, or the id is taken). cancel(seq_id) frees it."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("park", (seq_id, kv, done)))
+        self._wake.set()
+        return done
 
     def cancel(self, seq_id: str) -> None:
         self._inbox.put(("cancel", seq_id))
@@ -123,7 +154,11 @@ class Engine:
 
     @property
     def num_active(self) -> int:
-        return len(self._seqs)
+        return len(self._seqs) + len(self._parked)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -134,6 +169,8 @@ class Engine:
                 self._wake.clear()
         for seq in list(self._seqs.values()):
             self._finish(seq, FinishReason.CANCELLED, error="engine stopped")
+        for seq_id in list(self._parked):
+            self._unpark(seq_id)
 
     def step(self) -> bool:
         """One scheduling iteration; returns False when there was nothing to do."""
@@ -159,63 +196,122 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "submit":
-                if arg.seq_id in self._seqs:
-                    arg.sink(TokenEvent(arg.seq_id, [], "", FinishReason.ERROR,
-                                        error=f"sequence id {arg.seq_id!r} is already running"))
-                    continue
-                self._seqs[arg.seq_id] = arg
-                self.waiting.append(arg)
-            elif kind == "cancel" and arg in self._seqs:
-                self._finish(self._seqs[arg], FinishReason.CANCELLED)
+                self._admit(arg)
+            elif kind == "park":
+                self._park(*arg)
+            elif kind == "cancel":
+                if arg in self._seqs:
+                    self._finish(self._seqs[arg], FinishReason.CANCELLED)
+                elif arg in self._parked:
+                    self._unpark(arg)
+
+    def _admit(self, seq: Sequence) -> None:
+        if seq.seq_id in self._seqs:
+            seq.sink(TokenEvent(seq.seq_id, [], "", FinishReason.ERROR,
+                                error=f"sequence id {seq.seq_id!r} is already running"))
+            return
+        if seq.parked:
+            entry = self._parked.pop(seq.seq_id, None)
+            if entry is None or entry[0] != len(seq.prompt_ids):
+                if entry is not None:
+                    self.pool.free(seq.seq_id)
+                seq.sink(TokenEvent(seq.seq_id, [], "", FinishReason.ERROR, error=(
+                    f"no K/V parked for {seq.seq_id!r}" if entry is None else
+                    f"the K/V parked for {seq.seq_id!r} holds {entry[0]} tokens, the prompt has "
+                    f"{len(seq.prompt_ids)}")))
+                return
+            seq.num_computed = entry[0]
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def _park(self, seq_id: str, kv: torch.Tensor, done: concurrent.futures.Future) -> None:
+        num_tokens = kv.shape[2]
+        if seq_id in self._seqs or seq_id in self._parked:
+            done.set_result(f"K/V for {seq_id!r} is already in this worker's pool")
+        elif self.pool.blocks_for(num_tokens) > self.pool.num_blocks:
+            done.set_result(self._too_big(num_tokens))
+        elif not self.pool.can_allocate(num_tokens):
+            done.set_result(f"the KV pool has {self.pool.num_free_blocks} free blocks, the K/V of "
+                            f"{num_tokens} tokens needs {self.pool.blocks_for(num_tokens)}")
+        else:
+            self.pool.allocate(seq_id, num_tokens)
+            self.runner.cache.import_seq(seq_id, kv)
+            self._parked[seq_id] = (num_tokens, time.monotonic())
+            done.set_result(None)
+
+    def _unpark(self, seq_id: str) -> None:
+        del self._parked[seq_id]
+        self.pool.free(seq_id)
 
     def _place_or_prefill(self) -> bool:
-        """Admit waiting sequences: place arrived K/V, or prefill a batch under the token budget."""
+        """Admit waiting sequences: parked or handed-in K/V, or prefill a batch under the token budget."""
         batch: list[Sequence] = []
         budget = self.config.max_prefill_tokens
+        admitted = False
         while self.waiting and len(self.running) + len(batch) < self.config.max_running:
             seq = self.waiting[0]
+            if seq.num_computed:  # parked: its blocks are already in the pool
+                self.waiting.popleft()
+                self.running.append(seq)
+                admitted = True
+                continue
+            # Room for every token it holds, and for a new sequence the one this prefill samples.
+            n = seq.num_tokens + (0 if seq.output_ids else 1)
+            if self.pool.blocks_for(n) > self.pool.num_blocks:
+                self.waiting.popleft()
+                self._finish(seq, FinishReason.ERROR, error=self._too_big(n))
+                continue
             if seq.kv is not None:
-                if self.pool.blocks_for(seq.num_tokens) > self.pool.num_blocks:
-                    self.waiting.popleft()
-                    self._finish(seq, FinishReason.ERROR, error=self._too_big(seq.num_tokens))
-                    continue
-                if not self.pool.can_allocate(seq.num_tokens):
+                if not self.pool.can_allocate(n):
                     break
                 self.waiting.popleft()
-                self.pool.allocate(seq.seq_id, seq.num_tokens)
+                self.pool.allocate(seq.seq_id, n)
                 self.runner.cache.import_seq(seq.seq_id, seq.kv)
-                seq.kv = None
+                seq.kv, seq.num_computed = None, len(seq.prompt_ids)
                 self.running.append(seq)
+                admitted = True
                 continue
-            n = seq.num_tokens
-            if batch and n > budget:
+            if batch and len(seq.prompt_ids) > budget:
                 break
-            # +1: room for the token this prefill samples, so its first decode step fits.
-            if not self.pool.can_allocate(n + 1):
+            if not self.pool.can_allocate(n):
                 if not batch and not self.running:
                     self.waiting.popleft()
-                    self._finish(seq, FinishReason.ERROR, error=self._too_big(n + 1))
+                    self._finish(seq, FinishReason.ERROR, error=self._too_big(n))
                     continue
                 break
             self.waiting.popleft()
-            self.pool.allocate(seq.seq_id, n + 1)
+            self.pool.allocate(seq.seq_id, n)
             batch.append(seq)
-            budget -= n
+            budget -= len(seq.prompt_ids)
         if not batch:
-            return False
-        logits = self.runner.prefill([PrefillItem(s.seq_id, s.all_ids()) for s in batch])
-        tokens = self._sample(batch, logits)
+            return admitted
+        # The prompt alone, even for a resumed sequence: its completion is replayed by decode rows.
+        logits = self.runner.prefill([PrefillItem(s.seq_id, s.prompt_ids) for s in batch])
+        new = [i for i, s in enumerate(batch) if not s.output_ids]
+        tokens = dict(zip(new, self._sample([batch[i] for i in new], logits[new]))) if new else {}
         now = time.perf_counter()
-        for seq, tok in zip(batch, tokens):
+        for i, seq in enumerate(batch):
+            seq.num_computed = len(seq.prompt_ids)
             seq.first_token_s = seq.first_token_s or now
             if self.config.prefill_only:
-                kv = self.runner.cache.export_seq(seq.seq_id, seq.num_tokens)
-                seq.output_ids.append(tok)
-                self._finish(seq, None, kv=kv, token_ids=[tok])
+                self._prefilled(seq, tokens.get(i))
             else:
                 self.running.append(seq)
-                self._emit(seq, tok)
+                if i in tokens:
+                    self._emit(seq, tokens[i])
         return True
+
+    def _prefilled(self, seq: Sequence, tok: int | None) -> None:
+        """prefill_only: hand back the first token and the prompt's K/V; no K/V when that token already
+        ends the request (nobody would decode it), no token when the sequence resumes."""
+        if tok is not None:
+            seq.output_ids.append(tok)
+            seq.output.push(tok)
+            if seq.output.finish_reason is not None:
+                self._finish(seq, seq.output.finish_reason, token_ids=[tok])
+                return
+        kv = self.runner.cache.export_seq(seq.seq_id, len(seq.prompt_ids))
+        self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok])
 
     def _too_big(self, num_tokens: int) -> str:
         return (f"a sequence of {num_tokens} tokens needs {self.pool.blocks_for(num_tokens)} KV blocks; "
@@ -236,16 +332,31 @@ class Engine:
                 self._preempt(seq)
         if not self.running:
             return
-        batch = list(self.running)
-        items = [DecodeItem(s.seq_id, s.output_ids[-1], s.num_tokens - 1) for s in batch]
+        items: list[DecodeItem] = []
+        sampled: list[Sequence] = []
+        replay_budget = self.config.max_replay_rows
+        for seq in self.running:
+            # Positions num_computed .. num_tokens-1 lack K/V: replayed tokens, then the newest,
+            # whose row gives the logits of the next token.
+            num_replay = seq.num_tokens - 1 - seq.num_computed
+            k = min(num_replay, replay_budget)
+            replay_budget -= k
+            end = seq.num_computed + k + (1 if k == num_replay else 0)
+            for pos in range(seq.num_computed, end):
+                items.append(DecodeItem(seq.seq_id, seq.token_at(pos), pos, sample=pos == seq.num_tokens - 1))
+            seq.num_computed = end
+            if end == seq.num_tokens:
+                sampled.append(seq)
         logits = self.runner.decode(items)
-        for seq, tok in zip(batch, self._sample(batch, logits)):
-            self._emit(seq, tok)
+        if sampled:
+            for seq, tok in zip(sampled, self._sample(sampled, logits)):
+                self._emit(seq, tok)
 
     def _preempt(self, seq: Sequence) -> None:
-        # Recompute later: its tokens are kept, its K/V is rebuilt by a prefill of all of them.
+        # Recompute later: its tokens are kept; its prompt is prefilled again and its completion replayed.
         log.warning("KV pool full: preempting %s (%d tokens) for recompute", seq.seq_id, seq.num_tokens)
         self.pool.free(seq.seq_id)
+        seq.num_computed = 0
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
@@ -280,6 +391,8 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        live = {s.seq_id for s in self.running}
-        assert self.pool.num_seqs == len(live), (
-            f"KV pool holds {self.pool.num_seqs} sequences, {len(live)} are running")
+        holders = {s.seq_id for s in self.running} | set(self._parked) | {
+            s.seq_id for s in self.waiting if self.pool.holds(s.seq_id)}
+        assert self.pool.num_seqs == len(holders), (
+            f"KV pool holds {self.pool.num_seqs} sequences; {len(self.running)} are running, "
+            f"{len(self._parked)} parked")

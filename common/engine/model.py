@@ -23,9 +23,9 @@ class AttnContext:
     # prefill: tokens of each sequence are contiguous; attention is causal within one.
     prefill_lens: list[int] | None = None
     # decode: one token per sequence, attending to its whole context through its block table.
-    context_slots: torch.Tensor | None = None  # [B * S] KV slots of each sequence's context, padded to S
-    attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend; None when nothing is padding
-    use_int4: bool = False  # small decode batches read packed 4-bit weights: a quarter of the bytes
+    context_slots: torch.Tensor | None = None  # [B * S] KV slots of each row's context, padded to S
+    attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend
+    use_int4: bool = False  # decode reads packed 4-bit weights: a quarter of the bytes
 
 
 def rope_tables(config: ModelConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +36,47 @@ def rope_tables(config: ModelConfig, max_positions: int, device) -> tuple[torch.
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device), emb.sin().to(device)
+
+
+# Invariant 4 (a request's tokens never depend on what else is in its batch) needs every op of a decode
+# step to give a row the same bits whatever the other rows are. Measured on CPU (tests/test_model_numerics):
+# - the int4 and int8 weight-only kernels: yes, at any row count;
+# - a dense GEMM: only for a fixed row count (oneDNN/MKL pick other kernels, blockings and, at 2 threads,
+#   splits as M changes: fp32 rows differ between M=1 and M=2 already), so dense decode GEMMs run in
+#   blocks of exactly DENSE_ROW_BLOCK rows, the last one padded;
+# - SDPA over a padded context: only while the padded span is a multiple of 64 (the kernel's vector
+#   tails then fall the same way), so every decode span is rounded up to ATTN_SPAN_MULTIPLE.
+DENSE_ROW_BLOCK = 8
+ATTN_SPAN_MULTIPLE = 64
+
+
+def dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear in blocks of exactly DENSE_ROW_BLOCK rows, so each row's result is independent of the others."""
+    n = x.shape[0]
+    pad = -n % DENSE_ROW_BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if x.shape[0] == DENSE_ROW_BLOCK:
+        return F.linear(x, weight)[:n]
+    return torch.cat([F.linear(block, weight) for block in x.split(DENSE_ROW_BLOCK)])[:n]
+
+
+class Int8Linear:
+    """A weight as int8 codes with one scale per output row, for torch's weight-only int8 kernel.
+
+    Used for the decode LM head: the kernel gives a row the same bits at any batch size, and reads half
+    the bytes of a 16-bit head. Activations go in as bf16 (the kernel's fast path on CPU).
+    """
+
+    def __init__(self, weight: torch.Tensor, device):
+        w = weight.to(device=device, dtype=torch.float32)
+        scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+        self.codes = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scales = scales.to(torch.bfloat16)
+        self.nbytes = self.codes.numel() + self.scales.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
 
 class Int4Linear:
@@ -86,6 +127,9 @@ class Llama(torch.nn.Module):
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
         head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
         self.lm_head_fp32 = None if dtype == torch.float32 else w32(head)
+        # Decode's LM head: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
+        # REFINE_TOP logits of every row are then recomputed exactly in fp32.
+        self.lm_head_int8 = Int8Linear(tensors[head], device)
         self.final_norm = w32("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -109,6 +153,11 @@ class Llama(torch.nn.Module):
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
+    @property
+    def lm_head_exact(self) -> torch.Tensor:
+        """The fp32 LM head the best logits are refined with."""
+        return self.lm_head if self.lm_head_fp32 is None else self.lm_head_fp32
+
     def weight_bytes(self) -> int:
         ts = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         ts += [t for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor)]
@@ -116,7 +165,7 @@ class Llama(torch.nn.Module):
 
     def decode_weight_bytes(self, use_int4: bool) -> int:
         """Bytes of weights one decode step reads (the embedding row gather aside)."""
-        total = self.lm_head.numel() * self.lm_head.element_size()
+        total = self.lm_head_int8.nbytes
         for layer in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
                 packed = layer[name + "4"] if use_int4 else None
@@ -124,10 +173,12 @@ class Llama(torch.nn.Module):
         return total
 
     @staticmethod
-    def _linear(x: torch.Tensor, layer: dict, name: str, use_int4: bool) -> torch.Tensor:
+    def _linear(x: torch.Tensor, layer: dict, name: str, ctx: AttnContext) -> torch.Tensor:
         packed = layer[name + "4"]
-        if use_int4 and packed is not None:
+        if ctx.use_int4 and packed is not None:
             return packed(x)
+        if ctx.prefill_lens is None:
+            return dense_rows(x, layer[name])  # decode: rows independent of their company
         return F.linear(x, layer[name])
 
     def _rms_norm(self, x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
@@ -153,7 +204,7 @@ class Llama(torch.nn.Module):
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
-            qkv = self._linear(x, layer, "wqkv", ctx.use_int4)  # [N, (H + 2 Hkv) * D]
+            qkv = self._linear(x, layer, "wqkv", ctx)  # [N, (H + 2 Hkv) * D]
             # Rotate q and k together, in place, so K and V sit side by side for one cache write.
             qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
             qk.copy_(self._rotate(qk, cos, sin))
@@ -165,10 +216,10 @@ class Llama(torch.nn.Module):
                 o = self._prefill_attention(q, new_kv[:, 0], new_kv[:, 1], ctx.prefill_lens)
             else:
                 o = self._decode_attention(q, layer_kv, ctx)
-            h = h + self._linear(o.reshape(n, self.q_size), layer, "wo", ctx.use_int4)
+            h = h + self._linear(o.reshape(n, self.q_size), layer, "wo", ctx)
             x = self._rms_norm(h, layer["mlp_norm"])
-            gate, up = self._linear(x, layer, "w13", ctx.use_int4).chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, layer, "w2", ctx.use_int4)
+            gate, up = self._linear(x, layer, "w13", ctx).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, layer, "w2", ctx)
         # Kept in fp32: logits() refines the top candidates in full precision.
         return F.rms_norm(h.float(), (c.hidden_size,), self.final_norm, c.rms_norm_eps)
 
@@ -196,7 +247,7 @@ class Llama(torch.nn.Module):
         return o.squeeze(2)  # [B, H, D]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 hidden states [B, dim] → fp32 logits [B, V].
+        """Prefill: fp32 hidden states [B, dim] → fp32 logits [B, V] (B is one row per prompt).
 
         In bf16 the logits come out rounded to 1/8 near 25, so near-ties among the best tokens
         would be decided by rounding (SmolLM2 ties "The" and "L" on a plain question). The
@@ -205,6 +256,19 @@ class Llama(torch.nn.Module):
         logits = F.linear(hidden.to(self.dtype), self.lm_head).float()
         if self.lm_head_fp32 is None:
             return logits
+        return self._refine(logits, hidden)
+
+    def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Decode: fp32 hidden states [B, dim] → fp32 logits [B, V], each row independent of the others.
+
+        The int8 head approximates every logit (within ~0.5 % of the row's largest); the REFINE_TOP
+        best are then exact fp32, so greedy decoding is exact and sampling differs only in the tail.
+        """
+        return self._refine(self.lm_head_int8(hidden).float(), hidden)
+
+    def _refine(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         idx = logits.topk(self.REFINE_TOP, dim=-1).indices  # [B, K]
-        exact = torch.bmm(self.lm_head_fp32[idx], hidden.unsqueeze(-1)).squeeze(-1)  # [B, K]
+        # A product and a sum over the last dim, not bmm: bmm picks another kernel at batch 1 than at
+        # batch 2, and the refined logits must not depend on the batch (invariant 4).
+        exact = (self.lm_head_exact[idx] * hidden.unsqueeze(1)).sum(-1)  # [B, K, dim] -> [B, K]
         return logits.scatter_(1, idx, exact)

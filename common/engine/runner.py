@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from common.engine.kv_cache import KVCache
-from common.engine.model import AttnContext, Llama
+from common.engine.model import ATTN_SPAN_MULTIPLE, AttnContext, Llama
 from common.engine.weights import load_weights, trim_memory
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -31,8 +31,11 @@ class PrefillItem:
 @dataclass
 class DecodeItem:
     seq_id: str
-    token_id: int  # newest token, whose K/V is written at `position`
+    token_id: int  # the token whose K/V is written at `position`
     position: int
+    # False for a replayed token (a resumed sequence recomputing the K/V of tokens it already has):
+    # its row runs for the K/V only, no logits.
+    sample: bool = True
 
 
 class ModelRunner:
@@ -47,7 +50,8 @@ class ModelRunner:
         # batch, but switching between them by batch size would make a request's tokens depend on
         # its company. bf16 decode (False) has more throughput at 32+ sequences, less at 1-8.
         self.int4_decode = int4_decode
-        self._offsets = torch.arange(max(model.config.max_position, cache.block_size), device=self.device)
+        self._offsets = torch.arange(max(model.config.max_position + ATTN_SPAN_MULTIPLE, cache.block_size),
+                                     device=self.device)
 
     @classmethod
     def load(cls, model_name: str | Path, *, dtype: str = "bf16", num_blocks: int,
@@ -84,20 +88,26 @@ class ModelRunner:
         return self.model.logits(hidden[-1:])
 
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
-        """One token per sequence (blocks already grown to hold `position`); returns logits [B, V]."""
+        """One row per item (blocks already grown to hold `position`); returns logits [R, V] of the
+        items with `sample`, in order.
+
+        A sequence may have several rows at consecutive positions (replayed tokens, then its newest):
+        each layer writes every row's K/V before any row attends, so row p sees rows < p. Every row is
+        computed the same way whatever the other rows are (model.py, DENSE_ROW_BLOCK and
+        ATTN_SPAN_MULTIPLE), so replaying tokens reproduces the K/V their original steps wrote.
+        """
         bs = self.cache.block_size
         pool = self.cache.pool
         tables = [pool.block_table(it.seq_id) for it in items]
         ctx_lens = [it.position + 1 for it in items]
-        span = max(ctx_lens)
+        span = -(-max(ctx_lens) // ATTN_SPAN_MULTIPLE) * ATTN_SPAN_MULTIPLE
         max_blocks = -(-span // bs)
         bt = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
-        # Slots of positions 0..span-1 of every sequence; padding past a sequence's length is masked.
+        # Slots of positions 0..span-1 of every row; past a row's own length they are masked (the mask
+        # is always there: SDPA without one takes another path, whose bits differ).
         context_slots = (bt[:, :, None] * bs + self._offsets[:bs]).view(len(items), -1)[:, :span]
-        mask = None
-        if min(ctx_lens) != span:
-            lens = self._tensor(ctx_lens)
-            mask = (self._offsets[:span][None, :] < lens[:, None])[:, None, None, :]
+        lens = self._tensor(ctx_lens)
+        mask = (self._offsets[:span][None, :] < lens[:, None])[:, None, None, :]
         slots = [t[it.position // bs] * bs + it.position % bs for t, it in zip(tables, items)]
         ctx = AttnContext(
             slot_mapping=self._tensor(slots),
@@ -107,4 +117,9 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor([it.token_id for it in items]),
                             self._tensor([it.position for it in items]), ctx, self.cache.kv)
-        return self.model.logits(hidden)
+        rows = [i for i, it in enumerate(items) if it.sample]
+        if not rows:
+            return hidden.new_empty(0, self.model.config.vocab_size)
+        if len(rows) != len(items):
+            hidden = hidden[self._tensor(rows)]
+        return self.model.decode_logits(hidden)
