@@ -10,6 +10,7 @@ Keys, under the prefix:
     leases:<id>             ZSET request_id -> lease expiry (ms)
     lease_blocks:<id>       HASH request_id -> "<num_blocks>:<worker epoch>"
     request:<id>            HASH state, history, t_<state>, counts, workers, error
+    drain:<id>              STRING the epoch an operator asked to drain (python -m router.status drain)
 """
 from __future__ import annotations
 
@@ -451,3 +452,68 @@ class StateStore:
             elif name in self._INT_REQUEST_FIELDS:
                 record[name] = int(value)
         return record
+
+    # --- operator tools (router/status.py): drain requests, recent records --------------------
+    # Nothing here is on a request's path. A drain request is one key, drain:<worker_id>, holding
+    # the epoch it is meant for, so a worker restarted under the same id does not drain again.
+
+    def _drain_key(self, worker_id: str) -> str:
+        return f"{self.prefix}drain:{worker_id}"
+
+    @_unavailable_as_state_error
+    def request_drain(self, worker_id: str, epoch: str, ttl_s: float) -> None:
+        """Asks the worker running `epoch` to drain; its heartbeat sees it. Expires after ttl_s."""
+        self.client.set(self._drain_key(worker_id), epoch, px=_ms(ttl_s))
+
+    @_unavailable_as_state_error
+    def drain_requested(self, worker_id: str, epoch: str) -> bool:
+        return self.client.get(self._drain_key(worker_id)) == epoch
+
+    @_unavailable_as_state_error
+    def end_drain(self, worker_id: str, epoch: str) -> bool:
+        """Removes the drain request for `epoch` (the worker has drained, or the operator gave up)."""
+        return bool(self.client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                                     "return redis.call('DEL', KEYS[1]) end return 0",
+                                     1, self._drain_key(worker_id), epoch))
+
+    @_unavailable_as_state_error
+    def drain_requests(self) -> dict[str, tuple[str, float]]:
+        """Pending drain requests: worker_id -> (epoch, seconds until the request expires)."""
+        start = len(self._drain_key(""))
+        keys = self._scan(self._drain_key("*"), max_keys=10_000)
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+            pipe.pttl(key)
+        values = pipe.execute()
+        return {key[start:]: (epoch, ttl_ms / 1000)
+                for key, epoch, ttl_ms in zip(keys, values[::2], values[1::2]) if epoch is not None}
+
+    @_unavailable_as_state_error
+    def recent_request_ids(self, limit: int, max_scanned: int = 20_000) -> tuple[list[str], int]:
+        """Up to `limit` request ids, newest t_queued first, from a SCAN of at most max_scanned
+        records (they expire, so the keyspace stays bounded); also how many records were seen."""
+        start = len(self._request_key(""))
+        keys = self._scan(self._request_key("*"), max_keys=max_scanned)
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, f"t_{RequestState.QUEUED}")
+        stamped = sorted(((float(t), key) for key, t in zip(keys, pipe.execute()) if t is not None), reverse=True)
+        return [key[start:] for _, key in stamped[:limit]], len(keys)
+
+    @_unavailable_as_state_error
+    def redis_time(self) -> float:
+        """Now by the Redis clock, the one every t_* stamp and lease uses (unix seconds)."""
+        seconds, micros = self.client.time()
+        return seconds + micros / 1e6
+
+    def _scan(self, pattern: str, max_keys: int) -> list[str]:
+        # The prefix is literal: escape the glob characters SCAN's MATCH would read in it.
+        literal, star = pattern[:-1], pattern[-1]
+        match = "".join("\\" + c if c in "*?[]\\" else c for c in literal) + star
+        keys = []
+        for key in self.client.scan_iter(match=match, count=1000):
+            keys.append(key)
+            if len(keys) >= max_keys:
+                break
+        return keys

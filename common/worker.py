@@ -112,12 +112,13 @@ class Registration:
     """Keeps this worker's registry entry alive; a Redis restart is healed by the next beat."""
 
     def __init__(self, state: StateStore, info: Callable[[], WorkerInfo], *, interval_s: float, ttl_s: float,
-                 on_registered: Callable[[], None] = lambda: None):
+                 on_registered: Callable[[], None] = lambda: None, on_beat: Callable[[], None] = lambda: None):
         self.state = state
         self._info = info
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         self._on_registered = on_registered
+        self._on_beat = on_beat  # after every heartbeat that reached Redis; may raise StateUnavailable
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self.registered = threading.Event()
@@ -137,6 +138,7 @@ class Registration:
                 if not self.registered.is_set():
                     self.registered.set()
                     self._on_registered()
+                self._on_beat()
             except StateUnavailable as exc:
                 if outage_since is None:
                     outage_since = time.monotonic()
@@ -169,6 +171,9 @@ class WorkerBase:
         self._model = model
         self.tokenizer = tokenizer
         self.draining = threading.Event()
+        self.drain_requested = threading.Event()  # an operator ran `python -m router.status drain`
+        # What a drain request does: stop in the background here; serve() makes it do what SIGTERM does.
+        self.on_drain_request: Callable[[], None] = self._stop_in_background
         self._inflight_ids: set[tuple[str, str]] = set()  # (rpc, request_id) of calls in progress
         self._inflight_lock = threading.Lock()
         self.started_at = time.time()
@@ -226,7 +231,8 @@ class WorkerBase:
             self.health_server = grpc_util.serve_health(self.health, self.config.host, self.config.health_port)
         self.registration = Registration(
             self.state, self.info, interval_s=self.config.heartbeat_s, ttl_s=self.config.heartbeat_ttl_s,
-            on_registered=lambda: grpc_util.set_serving(self.health, self.service_names, True)).start()
+            on_registered=lambda: grpc_util.set_serving(self.health, self.service_names, True),
+            on_beat=self._check_drain_request).start()
         log.info("%s worker %s listening on %s:%d (epoch %s, %s)", self.config.role, self.config.worker_id,
                  self.config.host, self.config.port, self.epoch,
                  "mutual TLS" if self.server_credentials else "plaintext")
@@ -291,7 +297,33 @@ class WorkerBase:
         self.server.stop(grace=1.0).wait()
         if self.health_server is not None:
             self.health_server.stop(grace=None)
+        self._end_drain_request()
         log.info("%s worker %s stopped", self.config.role, self.config.worker_id)
+
+    # ---- drain on request (python -m router.status drain WORKER_ID)
+
+    def _check_drain_request(self) -> None:
+        """On the heartbeat thread, after each beat: a drain request for this epoch starts the drain once."""
+        if self.drain_requested.is_set() or self.draining.is_set():
+            return
+        if self.state.drain_requested(self.config.worker_id, self.epoch):
+            log.warning("%s worker %s: drain requested by an operator; draining", self.config.role,
+                        self.config.worker_id)
+            self.drain_requested.set()
+            self.on_drain_request()
+
+    def _stop_in_background(self) -> None:
+        # stop() joins the heartbeat thread, which is the caller here.
+        threading.Thread(target=self.stop, name="drain", daemon=True).start()
+
+    def _end_drain_request(self) -> None:
+        """Tells the waiting `router.status drain` that this worker has finished its work."""
+        if not self.drain_requested.is_set():
+            return
+        try:
+            self.state.end_drain(self.config.worker_id, self.epoch)
+        except StateUnavailable as exc:
+            log.warning("could not clear the drain request (it expires by itself): %s", exc)
 
 
 def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
@@ -303,10 +335,11 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     worker = worker_cls(config, StateStore(client))
+    worker.on_drain_request = stop.set  # `python -m router.status drain` does what SIGTERM does
     try:
         worker.start()
         stop.wait()
-        log.info("signal received: draining")
+        log.info("%s: draining", "drain requested" if worker.drain_requested.is_set() else "signal received")
         worker.stop()
     finally:
         if embedded:
