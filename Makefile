@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 ARGS ?=
-# llama.cpp as a benchmark peer. Not in requirements*.txt: pip compiles llama.cpp from source, about
-# 5 minutes on 2 cores. CPU only, built for this machine's instruction set (GGML_NATIVE); so no pip
+# llama.cpp as a benchmark peer. Not in requirements*.txt: pip compiles llama.cpp from source, 5-7
+# minutes on 2 cores. CPU only, built for this machine's instruction set (GGML_NATIVE); so no pip
 # wheel cache, which could hand back a build from a host with instructions this one lacks. No
 # multimodal library (LLAVA_BUILD): the benchmark does not load it.
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
@@ -40,7 +40,7 @@ test: protos
 bench: protos
 	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)" || \
 		echo "make bench: llama-cpp-python is not installed, so the llama.cpp peer figures are skipped;" \
-		"\`make bench-peers\` installs it (compiles llama.cpp, about 5 minutes)"
+		"\`make bench-peers\` installs it (compiles llama.cpp, 5-7 minutes on 2 cores)"
 	$(PY) -m common.bench.engine $(ARGS)
 	$(PY) -m router.bench $(ARGS)
 

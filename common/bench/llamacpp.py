@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 NAME = "llama.cpp"
-HOW_TO_GET = "`make bench-peers` installs llama-cpp-python into .venv (it compiles llama.cpp, about 5 minutes)"
+HOW_TO_GET = ("`make bench-peers` installs llama-cpp-python into .venv "
+              "(it compiles llama.cpp, 5-7 minutes on 2 cores)")
 
 
 def missing_reason() -> str | None:
