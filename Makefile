@@ -1,4 +1,5 @@
 # The project's stable interface: `make run`, `make test`, `make bench`.
+# `make bench-peers` adds llama.cpp, the engine benchmark's second peer (a long compile).
 # Each target creates (or reuses) the virtual environment in .venv first.
 PYTHON ?= python3
 VENV := .venv
@@ -6,8 +7,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Explain in two sentences why the sky is blue.
 ARGS ?=
+# llama.cpp as a benchmark peer. Not in requirements*.txt: pip compiles llama.cpp from source, 5-7
+# minutes on 2 cores. CPU only, built for this machine's instruction set (GGML_NATIVE); so no pip
+# wheel cache, which could hand back a build from a host with instructions this one lacks. No
+# multimodal library (LLAVA_BUILD): the benchmark does not load it.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF \
+	-DLLAVA_BUILD=OFF
 
-.PHONY: run test bench protos clean venv
+.PHONY: run test bench bench-peers protos clean venv
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +38,14 @@ test: protos
 	$(PY) -m pytest -q tests $(ARGS)
 
 bench: protos
+	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)" || \
+		echo "make bench: llama-cpp-python is not installed, so the llama.cpp peer figures are skipped;" \
+		"\`make bench-peers\` installs it (compiles llama.cpp, 5-7 minutes on 2 cores)"
 	$(PY) -m common.bench.engine $(ARGS)
 	$(PY) -m router.bench $(ARGS)
+
+bench-peers: $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir $(LLAMA_CPP_PYTHON)
 
 clean:
 	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2*.pyi

@@ -1,4 +1,4 @@
-"""python -m common.bench.engine: the engine alone against HF transformers, same weights, same dtype, same run.
+"""python -m common.bench.engine: the engine alone against HF transformers and llama.cpp, same weights, same run.
 
     python -m common.bench.engine                         # every figure, bf16 (a few minutes)
     python -m common.bench.engine --quick                 # CI smoke: small sizes, under 2 minutes
@@ -14,6 +14,12 @@ anything. So ours and the peer alternate (A/B/B/A...) in every section and each 
 The peer is HF transformers on the same GGUF file with its weights unpacked to dense tensors of the same
 dtype (`GgufConfig(dequantize=True)`, asked for explicitly so that the peer stays dense whichever GGUF
 kernels a newer transformers finds installed; here its default load gave the same plain nn.Linear layers).
+
+The second peer is llama.cpp (llama-cpp-python, `common/bench/llamacpp.py`) on the same file with its
+own packed-weight kernels, fed the same token ids, with the same thread count: prefill at 128 and 512
+tokens and decode at one stream take turns with ours in the same sections. It is optional (`make
+bench-peers`); without it one line {"name": "llama_cpp_peer", "skipped", "how", "figures"} says which
+figures were left out and how to get them.
 """
 from __future__ import annotations
 
@@ -32,13 +38,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common.bench import llamacpp
+
 if TYPE_CHECKING:
     from common.bench.bandwidth import ReadBandwidth
+    from common.bench.llamacpp import LlamaCpp
 
 MODEL = "smollm2"
 CHAT_PROMPT_LEN = 107  # DESIGN.md's decode context: a 107-token chat prompt
 SECTIONS = ("bandwidth", "prefill", "decode", "memory")
 PEER = "hf-transformers"
+LLAMA_CPP_PREFILL_LENS = (128, 512)  # the prompt lengths llama.cpp prefills (the issue's; 2,048 is HF's alone)
 
 
 # ----------------------------------------------------------------------------- output, shared with router.bench
@@ -66,6 +76,14 @@ def emit(name: str, value: float, unit: str, *, peer: str | None = None, peer_va
         rec["met"] = bool(met)
     rec.update({k: _num(v) if isinstance(v, float) else v for k, v in extra.items()})
     print(json.dumps(rec), flush=True)
+    return rec
+
+
+def emit_skipped(name: str, why: str, how: str, **extra) -> dict:
+    """Print, as a JSON line, figures this run could not measure and how to get them; say so on stderr too."""
+    rec = {"name": name, "skipped": why, "how": how, **extra}
+    print(json.dumps(rec), flush=True)
+    log(f"{name} skipped: {why}; {how}")
     return rec
 
 
@@ -309,22 +327,32 @@ def warm_up(fn: Callable[[], float], max_calls: int = 8) -> None:
         best = min(best, t)
 
 
-def bench_prefill(ours: Ours, hf: HF, sizes: dict[int, int]) -> None:
-    """sizes: prompt length -> rounds."""
+def bench_prefill(ours: Ours, hf: HF, sizes: dict[int, int], llama: LlamaCpp | None = None) -> None:
+    """sizes: prompt length -> rounds. llama.cpp takes its turns at LLAMA_CPP_PREFILL_LENS."""
     for n, rounds in sizes.items():
         _, ids = chat_prompt(ours.tokenizer, n)
-        warm_up(partial(ours.prefill_s, ids)), warm_up(partial(hf.prefill_s, ids))
-        t = interleave({"ours": partial(ours.prefill_s, ids), "hf": partial(hf.prefill_s, ids)}, rounds)
-        v, pv = n / statistics.median(t["ours"]), n / statistics.median(t["hf"])
-        log(f"prefill {n}: ours {v:.0f} tok/s, HF {pv:.0f} tok/s")
+        fns = {"ours": partial(ours.prefill_s, ids), "hf": partial(hf.prefill_s, ids)}
+        if llama is not None and n in LLAMA_CPP_PREFILL_LENS:
+            fns[llamacpp.NAME] = partial(llama.prefill_s, ids)
+        for fn in fns.values():
+            warm_up(fn)
+        t = interleave(fns, rounds)
+        tok_s = {who: n / statistics.median(ts) for who, ts in t.items()}
+        v, pv = tok_s["ours"], tok_s["hf"]
+        log(f"prefill {n}: " + ", ".join(f"{who} {x:.0f}" for who, x in tok_s.items()) + " tok/s")
         emit(f"prefill_tok_s_{n}", v, "tok/s (median of rounds)", peer=PEER, peer_value=pv,
              target="ratio >= 1.0", met=v / pv >= 1.0, prompt_len=n, rounds=rounds,
              best_ratio=min(t["hf"]) / min(t["ours"]))
+        if llamacpp.NAME in t:
+            emit(f"prefill_tok_s_{n}_vs_llama_cpp", v, "tok/s (median of rounds)", peer=llamacpp.NAME,
+                 peer_value=tok_s[llamacpp.NAME], prompt_len=n, rounds=rounds,
+                 best_ratio=min(t[llamacpp.NAME]) / min(t["ours"]))
 
 
 def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int,
-                 bandwidth: "ReadBandwidth", dtype: str) -> None:
-    """Per batch size: the engine, the bare runner and HF step in turn, one step each, `steps` times."""
+                 bandwidth: ReadBandwidth, dtype: str, llama: LlamaCpp | None = None) -> None:
+    """Per batch size: the engine, the bare runner and HF (and llama.cpp at batch 1) step in turn, one step
+    each, `steps` times."""
     from common.bench.bandwidth import decode_bound_tok_s
 
     _, prompt_ids = chat_prompt(ours.tokenizer, CHAT_PROMPT_LEN)
@@ -336,15 +364,17 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         log(f"decode {bsz} seq: prefilling {bsz} x {CHAT_PROMPT_LEN} tokens in each system")
         loops = [EngineDecode(ours, prompt_ids, bsz, max_tokens), RunnerDecode(ours, prompt_ids, bsz, max_tokens),
                  HFDecode(hf, prompt_ids, bsz, max_tokens)]
+        if llama is not None and bsz == 1:
+            loops.append(llamacpp.LlamaCppDecode(llama, prompt_ids, max_tokens))
+        by_name = {loop.name: loop for loop in loops}
         for loop in loops:
             loop.steps(warmup)
-        # One step of each in turn: a slow spell of the shared machine lands on all three alike.
+        # One step of each in turn: a slow spell of the shared machine lands on all of them alike.
         times = {name: [s for r in rs for s in r]
                  for name, rs in interleave({loop.name: partial(loop.steps, 1) for loop in loops}, steps).items()}
         tok_s = {name: bsz / statistics.median(ts) for name, ts in times.items()}
         best = {name: bsz / min(ts) for name, ts in times.items()}
-        log(f"decode {bsz} seq: engine {tok_s['engine']:.1f}, runner {tok_s['runner']:.1f}, "
-            f"HF {tok_s[PEER]:.1f} tok/s (median step)")
+        log(f"decode {bsz} seq: " + ", ".join(f"{name} {x:.1f}" for name, x in tok_s.items()) + " tok/s (median step)")
         goal = targets.get(bsz)
         kw = dict(target=f"ratio >= {goal}", met=tok_s["engine"] / tok_s[PEER] >= goal) if goal else {}
         emit(f"decode_tok_s_{bsz}seq", tok_s["engine"], "tok/s (Engine.step, median step)", peer=PEER,
@@ -352,15 +382,23 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
              best_ratio=best["engine"] / best[PEER], **kw)
         emit(f"decode_runner_tok_s_{bsz}seq", tok_s["runner"], "tok/s (ModelRunner.decode + Sampler, median step)",
              peer=PEER, peer_value=tok_s[PEER], batch=bsz, best_ratio=best["runner"] / best[PEER])
-        first_seq_tokens[bsz] = loops[0].tokens[0]
-        emit(f"decode_greedy_prefix_match_hf_{bsz}seq", same_prefix(loops[0].tokens[0], loops[2].tokens),
-             f"tokens of {min(len(loops[0].tokens[0]), len(loops[2].tokens))} (sequence 0) equal to HF's "
-             f"greedy output")
+        if llamacpp.NAME in tok_s:
+            emit(f"decode_tok_s_{bsz}seq_vs_llama_cpp", tok_s["engine"], "tok/s (Engine.step, median step)",
+                 peer=llamacpp.NAME, peer_value=tok_s[llamacpp.NAME], batch=bsz, context_len=CHAT_PROMPT_LEN,
+                 steps=steps, best_ratio=best["engine"] / best[llamacpp.NAME])
+        engine_tokens = by_name["engine"].tokens[0]
+        first_seq_tokens[bsz] = engine_tokens
+        for peer, label, what in ((PEER, "hf", "HF's"), (llamacpp.NAME, "llama_cpp", "llama.cpp's")):
+            if peer in by_name:
+                peer_tokens = by_name[peer].tokens
+                emit(f"decode_greedy_prefix_match_{label}_{bsz}seq", same_prefix(engine_tokens, peer_tokens),
+                     f"tokens of {min(len(engine_tokens), len(peer_tokens))} (sequence 0) equal to {what} "
+                     f"greedy output")
         if bsz == 1:
             engine_tok_s_1 = tok_s["engine"]
         for loop in reversed(loops):  # the runner's blocks first: the engine checks its pool is all its own
             loop.close()
-        del loops
+        del loops, by_name
         gc.collect()
         bandwidth.measure(2)  # more passes spread over the run: the best one is the machine's
     if 1 in first_seq_tokens:
@@ -457,6 +495,28 @@ def profile_decode(dtype: str) -> None:
         loop.close()
 
 
+def llama_cpp_figures(sections: set[str], prefill_sizes: dict[int, int], batches: list[int]) -> list[str]:
+    """The figures llama.cpp takes part in, in a run of these sections and sizes."""
+    names = [f"prefill_tok_s_{n}_vs_llama_cpp" for n in prefill_sizes
+             if n in LLAMA_CPP_PREFILL_LENS and "prefill" in sections]
+    if "decode" in sections and 1 in batches:
+        names.append("decode_tok_s_1seq_vs_llama_cpp")
+    return names
+
+
+def load_llama_cpp(figures: list[str], threads: int, n_ctx: int) -> LlamaCpp | None:
+    """llama.cpp for these figures, or None, with a line saying how to get them, where it is not installed."""
+    if not figures:
+        return None
+    why = llamacpp.missing_reason()
+    if why is not None:
+        emit_skipped("llama_cpp_peer", why, llamacpp.HOW_TO_GET, figures=figures)
+        return None
+    from common.engine.models import resolve_model_path
+    log(f"loading llama.cpp ({threads} threads, {n_ctx}-token context)")
+    return llamacpp.LlamaCpp(resolve_model_path(MODEL), threads, n_ctx)
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> None:
@@ -480,13 +540,15 @@ def main(argv: list[str] | None = None) -> None:
     emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
 
     probes = start_memory_probes(args.dtype, args.threads) if "memory" in sections else {}
-    ours = hf = None
+    ours = hf = llama = None
     if sections & {"prefill", "decode"}:
         log("loading ours and HF" + (" (the memory probes load in parallel)" if probes else ""))
         max_tokens = warmup + steps + 16
         num_blocks = max(max(prefill_sizes) // 16 + 1,
                          2 * max(batches) * -(-(CHAT_PROMPT_LEN + max_tokens) // 16))
         ours, hf = Ours(args.dtype, num_blocks), HF(args.dtype)
+        llama = load_llama_cpp(llama_cpp_figures(sections, prefill_sizes, batches), args.threads,
+                               n_ctx=max(*LLAMA_CPP_PREFILL_LENS, CHAT_PROMPT_LEN + max_tokens))
     if probes:
         log("waiting for the memory probes")
         bench_memory(probes)
@@ -499,9 +561,9 @@ def main(argv: list[str] | None = None) -> None:
             emit("memory_read_bandwidth", bandwidth.gbs, "GB/s (best pass, torch row-sum over fp32)",
                  passes=bandwidth.num_passes, tensor_bytes=bandwidth.num_bytes)
     if "prefill" in sections:
-        bench_prefill(ours, hf, prefill_sizes)
+        bench_prefill(ours, hf, prefill_sizes, llama)
     if "decode" in sections:
-        bench_decode(ours, hf, batches, steps, warmup, bandwidth, args.dtype)
+        bench_decode(ours, hf, batches, steps, warmup, bandwidth, args.dtype, llama)
     emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
 
