@@ -31,7 +31,7 @@ def add_common_flags(parser: argparse.ArgumentParser, *, port: int, metrics_port
     add_flag(parser, "--model", "HANDOFF_MODEL", "smollm2",
              "a .gguf file, an HF checkpoint folder, or a short name (smollm2)")
     add_flag(parser, "--metrics-port", "HANDOFF_METRICS_PORT", metrics_port,
-             "Prometheus /metrics HTTP port; 0 = off", int)
+             "Prometheus /metrics HTTP port; 0 = a free one (a worker registers it in Redis), -1 = off", int)
     add_flag(parser, "--log-level", "HANDOFF_LOG_LEVEL", "INFO", "logging level")
     add_tls_flags(parser)
     add_flag(parser, "--health-port", "HANDOFF_HEALTH_PORT", 0,

@@ -34,12 +34,33 @@ KEEPALIVE_OPTIONS = [
 
 
 class ServiceError(Exception):
-    """A failure with the gRPC status it should reach the caller as."""
+    """A failure with the gRPC status it should reach the caller as, and trailing metadata to send
+    with it (e.g. which downstream worker failed: internal.proto's handoff-failed-* trailers)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailers = trailers
+
+
+# Trailers a worker sets when the failure it reports is another worker's (internal.proto).
+FAILED_ROLE, FAILED_WORKER, FAILED_EPOCH = "handoff-failed-role", "handoff-failed-worker", "handoff-failed-epoch"
+
+
+def blame(role: str, worker_id: str, epoch: str) -> tuple[tuple[str, str], ...]:
+    return ((FAILED_ROLE, role), (FAILED_WORKER, worker_id), (FAILED_EPOCH, epoch))
+
+
+def blamed(exc: grpc.RpcError) -> tuple[str, str, str] | None:
+    """(role, worker_id, epoch) a failed call's trailers charge the failure to, if any."""
+    try:
+        trailers = dict(exc.trailing_metadata() or ())
+    except Exception:  # an RpcError without metadata (e.g. raised locally)
+        return None
+    if FAILED_ROLE not in trailers or FAILED_WORKER not in trailers:
+        return None
+    return trailers[FAILED_ROLE], trailers[FAILED_WORKER], trailers.get(FAILED_EPOCH, "")
 
 
 def _abort_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -125,6 +146,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
     code, message = _abort_for(exc)
+    if isinstance(exc, ServiceError) and exc.trailers:
+        context.set_trailing_metadata(exc.trailers)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     else:
@@ -146,12 +169,17 @@ def make_server(max_workers: int, *, max_message_bytes: int,
     )
 
 
+LIVENESS = "liveness"
+
+
 def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> health.HealthServicer:
     """Standard grpc.health.v1 (NOT_SERVING until the caller says ready) and server reflection."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ["", *service_names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    # Liveness: the process answers. Kubernetes' livenessProbe asks for this service, readiness for "".
+    health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
@@ -164,18 +192,24 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
         health_servicer.set(name, status)
 
 
-def bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+class PortInUse(RuntimeError):
+    """A port could not be bound; the message names the flag that sets it."""
+
+
+def bind(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None,
+         flag: str = "the port flag") -> int:
     """Bind a port, with TLS when credentials are given; port 0 picks a free one.
 
-    Returns the bound port or raises clearly."""
+    Returns the bound port or raises PortInUse naming `flag`."""
     address = f"{host}:{port}"
     try:
         bound = (server.add_secure_port(address, credentials) if credentials is not None
                  else server.add_insecure_port(address))
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen on {address}: {exc}; is another process using the port?") from exc
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"cannot listen on {address}; is another process using the port?")
+        raise PortInUse(f"cannot listen on {address}: another process (another worker on this host?) "
+                        f"uses port {port}; choose another with {flag} (0 picks a free one)")
     return bound
 
 
@@ -187,7 +221,7 @@ def serve_health(health_servicer: health.HealthServicer, host: str, port: int) -
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="health"),
                          maximum_concurrent_rpcs=8, options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bind(server, host, port)
+    bind(server, host, port, flag="--health-port")
     server.start()
     return server
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
 import torch
@@ -91,7 +91,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def encode_kv(kv: torch.Tensor, *, request_id: str, target_worker_id: str, target_epoch: str,
-              fingerprint: ModelFingerprint, reservation_id: str = "",
+              fingerprint: ModelFingerprint, reservation_id: str = "", attempt: int = 0,
               chunk_bytes: int = CHUNK_BYTES) -> Iterator[internal_pb2.KVChunk]:
     """Yield the header, then the data chunks of one sequence's KV cache.
 
@@ -108,7 +108,7 @@ def encode_kv(kv: torch.Tensor, *, request_id: str, target_worker_id: str, targe
     yield internal_pb2.KVChunk(header=internal_pb2.KVHeader(
         request_id=request_id, target_worker_id=target_worker_id, target_epoch=target_epoch,
         fingerprint=fingerprint.to_pb(), num_tokens=num_tokens, total_bytes=total_bytes, num_chunks=num_chunks,
-        layout=LAYOUT, reservation_id=reservation_id))
+        layout=LAYOUT, reservation_id=reservation_id, attempt=attempt))
     for index in range(num_chunks):
         offset = index * chunk_bytes
         piece = payload[offset:offset + chunk_bytes]
@@ -137,11 +137,15 @@ class KVReceiver:
     bad message; any KVTransferError means the push must be dropped.
     """
 
-    def __init__(self, *, expected_fingerprint: ModelFingerprint, worker_id: str, epoch: str, max_bytes: int):
+    def __init__(self, *, expected_fingerprint: ModelFingerprint, worker_id: str, epoch: str, max_bytes: int,
+                 admit: Callable[[internal_pb2.KVHeader], None] = lambda header: None):
         self.expected_fingerprint = expected_fingerprint
         self.worker_id = worker_id
         self.epoch = epoch
         self.max_bytes = max_bytes
+        # Called with a header that passed every check, before its buffer is allocated: the
+        # receiver's own say (e.g. does the push hold a reservation); it raises to refuse.
+        self._admit = admit
         self.header: internal_pb2.KVHeader | None = None
         self.num_chunks_received = 0
         self.kv_bytes = 0  # payload bytes received so far
@@ -182,6 +186,7 @@ class KVReceiver:
         if not 1 <= header.num_chunks <= header.total_bytes:
             raise KVTransferError("size", f"num_chunks must be in [1, total_bytes={header.total_bytes}], "
                                           f"got {header.num_chunks}")
+        self._admit(header)
         self._buf = bytearray(header.total_bytes)  # bounded by max_bytes above
         self.header = header
 

@@ -37,13 +37,23 @@ KV_SECONDS = Histogram("handoff_kv_transfer_seconds", "Seconds per KV transfer",
                        buckets=_LATENCY_BUCKETS)
 KV_FAILURES = Counter("handoff_kv_transfer_failures_total", "KV transfers that failed", ["worker", "reason"])
 
-_started: set[int] = set()
+_started: dict[int, int] = {}  # port asked for -> port bound
 
 
-def serve_metrics(port: int) -> None:
-    """Expose /metrics on `port` (0 = off); several services in one process share one endpoint."""
-    if port <= 0 or port in _started:
-        return
-    start_http_server(port)
-    _started.add(port)
-    log.info("metrics on :%d/metrics", port)
+def serve_metrics(port: int) -> int:
+    """Expose /metrics on `port`: 0 picks a free port, -1 is off. Returns the bound port (0 when off);
+    several services in one process share one endpoint."""
+    if port < 0:
+        return 0
+    if port in _started:
+        return _started[port]
+    try:
+        server, _ = start_http_server(port)
+    except OSError as exc:
+        raise SystemExit(f"cannot serve metrics on port {port}: {exc.strerror or exc}; another process (another "
+                         f"worker on this host?) uses it: choose another with --metrics-port "
+                         f"(0 picks a free one, -1 turns metrics off)") from None
+    bound = server.server_port
+    _started[port] = bound
+    log.info("metrics on :%d/metrics", bound)
+    return bound

@@ -9,7 +9,9 @@ Keys, under the prefix:
     worker:<id>             HASH of WorkerInfo fields, expiring with the registration
     leases:<id>             ZSET request_id -> lease expiry (ms)
     lease_blocks:<id>       HASH request_id -> "<num_blocks>:<worker epoch>"
-    request:<id>            HASH state, history, t_<state>, counts, workers, error
+    request:<id>            HASH state, history, t_<state>, counts, workers, router, error
+    routers                 ZSET router_id -> registration expiry (ms)
+    router_requests:<id>    SET request ids the router has in flight (non-terminal records)
     drain:<id>              STRING the epoch an operator asked to drain (python -m router.status drain)
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ import redis
 
 
 class StateUnavailable(RuntimeError):
-    """Redis could not be reached (down, restarting, timed out, refused our password)."""
+    """Redis could not be asked: down, restarting, timed out, or it refused the command (out of
+    memory, a read-only replica, an ACL without the permission). The message says which."""
 
 
 class RequestState(StrEnum):
@@ -53,6 +56,7 @@ class WorkerInfo:
     num_waiting: int
     started_at: float  # unix seconds
     block_size: int = 16  # tokens per KV block: reservations are counted in these
+    metrics_port: int = 0  # where its Prometheus /metrics answers (same host as address); 0 = none
     # Decode only, computed on read as total_blocks minus the live leases; never written.
     available_blocks: int | None = None
 
@@ -65,7 +69,7 @@ class WorkerInfo:
 
 _WORKER_FIELDS = [f.name for f in fields(WorkerInfo) if f.name != "available_blocks"]
 _WORKER_INT_FIELDS = {"total_blocks", "free_blocks", "num_running", "num_waiting", "available_blocks",
-                      "block_size"}
+                      "block_size", "metrics_port"}
 
 
 def _worker_from_flat(flat: list[str]) -> WorkerInfo:
@@ -230,6 +234,24 @@ end
 return out
 """
 
+# KEYS: leases, lease_blocks. ARGV: request_id, epoch. Returns the blocks of the request's live
+# lease made against `epoch`, or 0.
+_LEASE_BLOCKS = _LUA_PRELUDE + """
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expiry or tonumber(expiry) <= now_ms() then return 0 end
+local value = redis.call('HGET', KEYS[2], ARGV[1])
+if not value then return 0 end
+local n, epoch = string.match(value, '^(%d+):(.*)$')
+if epoch ~= ARGV[2] then return 0 end
+return tonumber(n)
+"""
+
+# KEYS: routers index. ARGV: router_id, ttl_ms.
+_ROUTER_HEARTBEAT = _LUA_PRELUDE + """
+redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
+
 _LUA_NOW_STR = """
 local function now_str()
   local t = redis.call('TIME')
@@ -237,30 +259,78 @@ local function now_str()
 end
 """
 
-# KEYS: request hash. ARGV: ttl_ms, field/value pairs. History is kept as a JSON string
-# built here, because cjson would round timestamps to 14 significant digits.
+# KEYS: request hash. ARGV: ttl_ms, prefix, router_id ('' = none), request_id, field/value pairs.
+# A request with a router joins router_requests:<router> until its terminal state, so that the
+# record is ended by whoever reaps that router if it dies. History is kept as a JSON string built
+# here, because cjson would round timestamps to 14 significant digits.
 _CREATE_REQUEST = _LUA_NOW_STR + f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local ts = now_str()
 redis.call('HSET', KEYS[1], 'state', '{RequestState.QUEUED}', 'history', '[["{RequestState.QUEUED}",' .. ts .. ']]',
-           't_{RequestState.QUEUED}', ts, unpack(ARGV, 2))
+           't_{RequestState.QUEUED}', ts, unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'router', ARGV[3])
+  redis.call('SADD', ARGV[2] .. 'router_requests:' .. ARGV[3], ARGV[4])
+end
 return 1
 """
 
-# KEYS: request hash. ARGV: state, ttl_ms, field/value pairs.
-_TRANSITION = _LUA_NOW_STR + """
-local TERMINAL = {%s}
-local state = ARGV[1]
-local current = redis.call('HGET', KEYS[1], 'state')
-if not current or TERMINAL[current] then return 0 end
-local ts = now_str()
-local history = redis.call('HGET', KEYS[1], 'history')
-history = string.sub(history, 1, -2) .. ',["' .. state .. '",' .. ts .. ']]'
-redis.call('HSET', KEYS[1], 'state', state, 'history', history, 't_' .. state, ts, unpack(ARGV, 3))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-""" % ", ".join(f"{s}=true" for s in sorted(TERMINAL_STATES))
+_TERMINAL_TABLE = "local TERMINAL = {%s}\n" % ", ".join(f"{s}=true" for s in sorted(TERMINAL_STATES))
+
+# Moves one record to `state` (unless it is already terminal), with fields; on a terminal state it
+# leaves its router's in-flight set. Shared by _TRANSITION and _REAP_ROUTERS.
+_LUA_TRANSITION_FN = _LUA_NOW_STR + _TERMINAL_TABLE + """
+local function transition(key, prefix, request_id, state, ttl_ms, pairs)
+  local current = redis.call('HGET', key, 'state')
+  if not current or TERMINAL[current] then return 0 end
+  local ts = now_str()
+  local history = redis.call('HGET', key, 'history')
+  history = string.sub(history, 1, -2) .. ',["' .. state .. '",' .. ts .. ']]'
+  redis.call('HSET', key, 'state', state, 'history', history, 't_' .. state, ts)
+  if #pairs > 0 then redis.call('HSET', key, unpack(pairs)) end
+  redis.call('PEXPIRE', key, ttl_ms)
+  if TERMINAL[state] then
+    local router = redis.call('HGET', key, 'router')
+    if router then redis.call('SREM', prefix .. 'router_requests:' .. router, request_id) end
+  end
+  return 1
+end
+"""
+
+# KEYS: request hash. ARGV: state, ttl_ms, prefix, request_id, field/value pairs.
+_TRANSITION = _LUA_TRANSITION_FN + """
+return transition(KEYS[1], ARGV[3], ARGV[4], ARGV[1], ARGV[2], {unpack(ARGV, 5)})
+"""
+
+# ARGV: prefix, failed state, record ttl_ms. Every router whose registration expired: its requests
+# that are still in flight become `failed` (their leases are released at once, not left to expire),
+# and the router leaves the index. Returns {router_id, number of requests ended, ...}.
+_REAP_ROUTERS = _LUA_PRELUDE + _LUA_TRANSITION_FN + """
+local prefix, failed, ttl_ms = ARGV[1], ARGV[2], ARGV[3]
+local out = {}
+for _, router in ipairs(redis.call('ZRANGEBYSCORE', prefix .. 'routers', '-inf', now_ms())) do
+  local set = prefix .. 'router_requests:' .. router
+  local ended = 0
+  for _, rid in ipairs(redis.call('SMEMBERS', set)) do
+    local key = prefix .. 'request:' .. rid
+    local decode = redis.call('HGET', key, 'decode_worker')
+    if transition(key, prefix, rid, failed, ttl_ms, {'error', 'router ' .. router ..
+        ' stopped (its registration expired) before the request ended', 'finish_reason', 'error'}) == 1 then
+      ended = ended + 1
+    end
+    if decode then
+      redis.call('ZREM', prefix .. 'leases:' .. decode, rid)
+      redis.call('HDEL', prefix .. 'lease_blocks:' .. decode, rid)
+    end
+  end
+  redis.call('DEL', set)
+  redis.call('ZREM', prefix .. 'routers', router)
+  out[#out + 1] = router
+  out[#out + 1] = ended
+end
+return out
+"""
 
 
 # --- the store ---------------------------------------------------------------------------------
@@ -286,11 +356,16 @@ def _unavailable_as_state_error(method):
     def wrapper(self: StateStore, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except redis.RedisError as exc:
             detail = str(exc)
             if self._password:
                 detail = detail.replace(self._password, "***")
-            raise StateUnavailable(f"Redis at {self.url} is unreachable: {type(exc).__name__}: {detail}") from exc
+            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+                what = "is unreachable"
+            else:  # OOM, READONLY, NOPERM, ...: Redis answered, but refused
+                what = ("refused a command (check its memory limit, that it is a primary, and the ACL "
+                        "user's permissions)")
+            raise StateUnavailable(f"Redis at {self.url} {what}: {type(exc).__name__}: {detail}") from exc
     return wrapper
 
 
@@ -327,6 +402,9 @@ class StateStore:
         self._live_leases = client.register_script(_LIVE_LEASES)
         self._create_request = client.register_script(_CREATE_REQUEST)
         self._transition = client.register_script(_TRANSITION)
+        self._lease_blocks = client.register_script(_LEASE_BLOCKS)
+        self._router_heartbeat = client.register_script(_ROUTER_HEARTBEAT)
+        self._reap_routers = client.register_script(_REAP_ROUTERS)
 
     def __repr__(self) -> str:
         return f"StateStore({self.url}, prefix={self.prefix!r})"
@@ -384,6 +462,14 @@ class StateStore:
         return bool(self._renew(keys=self._worker_keys(worker_id), args=[request_id, _ms(ttl_s)]))
 
     @_unavailable_as_state_error
+    def lease_blocks(self, worker_id: str, epoch: str, request_id: str) -> int:
+        """Blocks of the request's live lease on the worker made against `epoch`; 0 if there is none
+        (never made, released, expired, or made against another epoch). Decode workers ask this
+        before accepting a push or a Decode call."""
+        _, leases, blocks = self._worker_keys(worker_id)
+        return int(self._lease_blocks(keys=[leases, blocks], args=[request_id, epoch]))
+
+    @_unavailable_as_state_error
     def release(self, worker_id: str, request_id: str) -> bool:
         """Frees the request's lease; True if there was one. Safe to call any number of times."""
         _, leases, blocks = self._worker_keys(worker_id)
@@ -418,12 +504,16 @@ class StateStore:
                 raise ValueError(f"request field {name!r} is managed by the store")
 
     @_unavailable_as_state_error
-    def create_request(self, request_id: str, *, prompt_tokens: int, max_tokens: int, **extra: object) -> bool:
-        """Records a new request as queued; False if the id is already taken."""
+    def create_request(self, request_id: str, *, prompt_tokens: int, max_tokens: int, router_id: str = "",
+                       **extra: object) -> bool:
+        """Records a new request as queued; False if the id is already taken. With router_id the
+        request is in that router's care: should the router's registration expire, reap_routers()
+        ends the record."""
         self._check_fields(extra)
         pairs = _pairs({"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, **extra})
         return bool(self._create_request(keys=[self._request_key(request_id)],
-                                         args=[_ms(self.active_record_ttl_s), *pairs]))
+                                         args=[_ms(self.active_record_ttl_s), self.prefix, router_id,
+                                               request_id, *pairs]))
 
     @_unavailable_as_state_error
     def transition(self, request_id: str, state: RequestState | str, **fields: object) -> bool:
@@ -436,7 +526,27 @@ class StateStore:
         self._check_fields(fields)
         ttl_s = self.record_ttl_s if state in TERMINAL_STATES else self.active_record_ttl_s
         return bool(self._transition(keys=[self._request_key(request_id)],
-                                     args=[state.value, _ms(ttl_s), *_pairs(fields)]))
+                                     args=[state.value, _ms(ttl_s), self.prefix, request_id, *_pairs(fields)]))
+
+    # --- routers: who looks after which request ---
+
+    @_unavailable_as_state_error
+    def router_heartbeat(self, router_id: str, ttl_s: float) -> None:
+        """Keeps the router registered for ttl_s more; once it lapses, its requests are reaped."""
+        self._router_heartbeat(keys=[f"{self.prefix}routers"], args=[router_id, _ms(ttl_s)])
+
+    @_unavailable_as_state_error
+    def deregister_router(self, router_id: str) -> None:
+        """A router that stops cleanly (its requests are all terminal) leaves the index."""
+        self.client.zrem(f"{self.prefix}routers", router_id)
+
+    @_unavailable_as_state_error
+    def reap_routers(self) -> dict[str, int]:
+        """Ends the in-flight records of every router whose registration expired (state failed,
+        leases released): router_id -> requests ended. Cheap when none died; every worker and
+        router runs it with its heartbeat, so one survivor suffices."""
+        flat = self._reap_routers(args=[self.prefix, RequestState.FAILED.value, _ms(self.record_ttl_s)])
+        return {router: int(n) for router, n in zip(flat[::2], flat[1::2])}
 
     @_unavailable_as_state_error
     def get_request(self, request_id: str) -> dict | None:

@@ -109,41 +109,64 @@ def set_threads(threads: int) -> None:
 
 
 class Registration:
-    """Keeps this worker's registry entry alive; a Redis restart is healed by the next beat."""
+    """Keeps this worker's registry entry alive; a Redis restart is healed by the next beat.
+
+    No error ends the heartbeat: an unreachable Redis, one that refuses commands (OOM, READONLY,
+    NOPERM) or a bug in a hook is logged and retried on the next beat. `on_status(True/False)`
+    says when the entry starts and stops being current (no beat for ttl_s: routers no longer
+    see this worker), so health can say NOT_SERVING while nobody can route here.
+    """
 
     def __init__(self, state: StateStore, info: Callable[[], WorkerInfo], *, interval_s: float, ttl_s: float,
-                 on_registered: Callable[[], None] = lambda: None, on_beat: Callable[[], None] = lambda: None):
+                 on_status: Callable[[bool], None] = lambda registered: None,
+                 on_beat: Callable[[], None] = lambda: None):
         self.state = state
         self._info = info
         self.interval_s = interval_s
         self.ttl_s = ttl_s
-        self._on_registered = on_registered
-        self._on_beat = on_beat  # after every heartbeat that reached Redis; may raise StateUnavailable
+        self._on_status = on_status
+        self._on_beat = on_beat  # after every heartbeat that reached Redis
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self.registered = threading.Event()
+        self.registered = threading.Event()  # set by the first successful beat, never cleared
+        self.current = False  # the entry is live in Redis (a beat succeeded within ttl_s)
 
     def start(self) -> "Registration":
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        outage_since = None
+        last_ok = None
+        failing_since = None
         while not self._stop.is_set():
             try:
                 self.state.heartbeat(self._info(), self.ttl_s)
-                if outage_since is not None:
-                    log.warning("Redis reachable again after %.1f s; re-registered", time.monotonic() - outage_since)
-                    outage_since = None
-                if not self.registered.is_set():
-                    self.registered.set()
-                    self._on_registered()
-                self._on_beat()
-            except StateUnavailable as exc:
-                if outage_since is None:
-                    outage_since = time.monotonic()
-                    log.warning("heartbeat failed, will keep trying: %s", exc)
+                last_ok = time.monotonic()
+                if failing_since is not None:
+                    log.warning("heartbeat works again after %.1f s; re-registered", last_ok - failing_since)
+                    failing_since = None
+                self.registered.set()
+                self._set_current(True)
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive any error
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("heartbeat failed, will keep trying: %s", exc,
+                                exc_info=not isinstance(exc, StateUnavailable))
+                if last_ok is None or time.monotonic() - last_ok >= self.ttl_s:
+                    self._set_current(False)
+            else:
+                try:
+                    self._on_beat()
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("after the heartbeat: %s", exc, exc_info=not isinstance(exc, StateUnavailable))
             self._stop.wait(self.interval_s)
+
+    def _set_current(self, current: bool) -> None:
+        if current != self.current:
+            self.current = current
+            if not current:
+                log.warning("registration lapsed: routers no longer see this worker until Redis answers")
+            self._on_status(current)
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
@@ -177,6 +200,7 @@ class WorkerBase:
         self._inflight_ids: set[tuple[str, str]] = set()  # (rpc, request_id) of calls in progress
         self._inflight_lock = threading.Lock()
         self.started_at = time.time()
+        self.metrics_port = 0  # set by serve() once /metrics listens
         self.server = None
         self.health_server = None
         self.engine = None
@@ -219,20 +243,24 @@ class WorkerBase:
                         self.model.device)
         runner = ModelRunner(self.model, cache, self.config.int4_decode)
         self.engine = Engine(runner, self.tokenizer, self._engine_config()).start()
-        self.server = grpc_util.make_server(max_workers=256,
-                                            max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)
+        self.server = grpc_util.make_server(self.max_rpcs(), max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)
         self.health = grpc_util.add_health_and_reflection(self.server, self.service_names)
         self._add_services(self.server)
-        port = grpc_util.bind(self.server, self.config.host, self.config.port, self.server_credentials)
+        port = grpc_util.bind(self.server, self.config.host, self.config.port, self.server_credentials,
+                              flag="--port")
         self.config = self.config.resolved(port)
-        self._bind_extra(self.server)
+        self._start_extra()
         self.server.start()
         if self.config.health_port:
             self.health_server = grpc_util.serve_health(self.health, self.config.host, self.config.health_port)
+        # Readiness (the overall and per-service health) follows the registration: SERVING only while
+        # routers can see this worker. Liveness ("liveness") stays SERVING while the process runs, so
+        # a Redis outage never gets a busy pod restarted.
         self.registration = Registration(
             self.state, self.info, interval_s=self.config.heartbeat_s, ttl_s=self.config.heartbeat_ttl_s,
-            on_registered=lambda: grpc_util.set_serving(self.health, self.service_names, True),
-            on_beat=self._check_drain_request).start()
+            on_status=lambda current: grpc_util.set_serving(
+                self.health, self.service_names, current and not self.draining.is_set()),
+            on_beat=self._after_beat).start()
         log.info("%s worker %s listening on %s:%d (epoch %s, %s)", self.config.role, self.config.worker_id,
                  self.config.host, self.config.port, self.epoch,
                  "mutual TLS" if self.server_credentials else "plaintext")
@@ -241,8 +269,21 @@ class WorkerBase:
     def _add_services(self, server) -> None:
         raise NotImplementedError
 
-    def _bind_extra(self, server) -> None:
-        """Extra ports (decode's KV port, with self.server_credentials); called after the main port is bound."""
+    def max_rpcs(self) -> int:
+        """Calls the main server runs at once; beyond, gRPC answers RESOURCE_EXHAUSTED."""
+        return 256
+
+    def _start_extra(self) -> None:
+        """Extra servers (decode's KV port, with self.server_credentials); after the main port is bound."""
+
+    def _stop_extra(self) -> None:
+        """Stops what _start_extra started."""
+
+    def _after_beat(self) -> None:
+        self._check_drain_request()
+        # Any survivor ends the requests of a router that died (its registration lapsed).
+        for router_id, num_ended in self.state.reap_routers().items():
+            log.warning("router %s is gone: ended its %d requests still in flight", router_id, num_ended)
 
     @property
     def address(self) -> str:
@@ -295,6 +336,7 @@ class WorkerBase:
                         self.num_inflight, self.engine.num_active)
         self.engine.stop()
         self.server.stop(grace=1.0).wait()
+        self._stop_extra()
         if self.health_server is not None:
             self.health_server.stop(grace=None)
         self._end_drain_request()
@@ -330,11 +372,12 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     """`python -m prefill_svc` / `decode_svc`: serve until SIGTERM/SIGINT, then drain (Kubernetes
     gives terminationGracePeriodSeconds)."""
     client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
-    metrics.serve_metrics(config.metrics_port)
+    metrics_port = metrics.serve_metrics(config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     worker = worker_cls(config, StateStore(client))
+    worker.metrics_port = metrics_port
     worker.on_drain_request = stop.set  # `python -m router.status drain` does what SIGTERM does
     try:
         worker.start()

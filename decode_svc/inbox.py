@@ -1,72 +1,79 @@
-"""Where a KV push and the Decode call that claims it meet, whichever arrives first."""
+"""Where a KV push and the Decode call that claims it meet, whichever arrives first.
+
+The K/V itself is already in the engine's paged pool (Engine.park), counted like any running
+sequence's; the inbox only knows which keys (request id + attempt) have arrived, which were
+abandoned, and when K/V that nobody claimed must be dropped.
+"""
 from __future__ import annotations
 
 import threading
 import time
-
-import torch
+from typing import Callable
 
 
 class KVInbox:
-    """request_id -> received K/V, parked until its Decode call takes it.
+    """key -> arrival time of K/V parked in the pool, until its Decode call takes it.
 
-    KV that nobody claims within `ttl_s` is dropped, and so is KV for a request that was
-    cancelled before it arrived (a tombstone remembers the id for `ttl_s`).
+    K/V that nobody claims within `ttl_s` is dropped (`drop(key)` frees it in the engine), and so is
+    K/V for a key whose Decode call already ended (a tombstone remembers the key for `ttl_s`). Keys
+    are per attempt, so an abandoned attempt's tombstone never refuses the next attempt's push.
     """
 
-    def __init__(self, ttl_s: float):
+    def __init__(self, ttl_s: float, drop: Callable[[str], None]):
         self.ttl_s = ttl_s
+        self._drop = drop
         self._cond = threading.Condition()
-        self._parked: dict[str, tuple[torch.Tensor, float]] = {}
+        self._arrived: dict[str, float] = {}
         self._cancelled: dict[str, float] = {}
 
-    def deliver(self, request_id: str, kv: torch.Tensor) -> bool:
-        """Park the KV; False (and dropped) if the request was cancelled or already delivered."""
+    def accepting(self, key: str) -> bool:
+        """Whether a push for key may still be parked (checked before placing it in the pool)."""
         with self._cond:
-            self._expire(time.monotonic())
-            if request_id in self._cancelled or request_id in self._parked:
+            return key not in self._cancelled and key not in self._arrived
+
+    def arrived(self, key: str) -> bool:
+        """The key's K/V is parked; False if its Decode call ended meanwhile (the caller frees it)."""
+        with self._cond:
+            if key in self._cancelled or key in self._arrived:
                 return False
-            self._parked[request_id] = (kv, time.monotonic())
+            self._arrived[key] = time.monotonic()
             self._cond.notify_all()
             return True
 
-    def take(self, request_id: str, timeout_s: float, is_active=lambda: True) -> torch.Tensor | None:
-        """Wait for the request's KV; None on timeout or once is_active() turns False."""
+    def take(self, key: str, timeout_s: float, is_active=lambda: True) -> bool:
+        """Wait for the key's K/V; True once it is parked (it is the caller's now), False on timeout
+        or once is_active() turns False."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            # A Decode waiting for this id again (the router's retry after a failed attempt) lifts the
-            # tombstone the cancelled attempt left, or the retry's KV would be refused.
-            self._cancelled.pop(request_id, None)
             while True:
-                entry = self._parked.pop(request_id, None)
-                if entry is not None:
-                    return entry[0]
+                if self._arrived.pop(key, None) is not None:
+                    return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not is_active():
-                    return None
+                    return False
                 self._cond.wait(min(remaining, 0.1))
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, key: str) -> None:
+        """The key's Decode call ended: drop what is parked for it and refuse what comes later."""
         with self._cond:
-            self._parked.pop(request_id, None)
-            self._cancelled[request_id] = time.monotonic()
-
-    def _expire(self, now: float) -> None:
-        for rid, (_, t) in list(self._parked.items()):
-            if now - t > self.ttl_s:
-                del self._parked[rid]
-        for rid, t in list(self._cancelled.items()):
-            if now - t > self.ttl_s:
-                del self._cancelled[rid]
+            parked = self._arrived.pop(key, None) is not None
+            self._cancelled[key] = time.monotonic()
+        if parked:
+            self._drop(key)
 
     def sweep(self) -> None:
+        """Drop K/V unclaimed for ttl_s, and forget old tombstones."""
+        now = time.monotonic()
         with self._cond:
-            self._expire(time.monotonic())
+            stale = [key for key, t in self._arrived.items() if now - t > self.ttl_s]
+            for key in stale:
+                del self._arrived[key]
+            for key, t in list(self._cancelled.items()):
+                if now - t > self.ttl_s:
+                    del self._cancelled[key]
+        for key in stale:
+            self._drop(key)
 
     @property
     def num_parked(self) -> int:
-        return len(self._parked)
-
-    @property
-    def parked_bytes(self) -> int:
-        return sum(kv.numel() * kv.element_size() for kv, _ in self._parked.values())
+        return len(self._arrived)

@@ -7,14 +7,15 @@ import queue
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from common import grpc_util, metrics
 from common.engine.engine import EngineConfig, TokenEvent
-from common.grpc_util import ServiceError
-from common.kv_wire import KVReceiver, KVTransferError
 from common.engine.output import FinishReason
 from common.engine.planner import plan
-from common.state import WorkerInfo
+from common.grpc_util import ServiceError
+from common.kv_wire import KVReceiver, KVTransferError
+from common.state import StateUnavailable, WorkerInfo
 from common.wire import FINISH_TO_PB, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox
@@ -32,13 +33,19 @@ _KV_ERROR_CODES = {
 }
 
 
+def seq_key(request_id: str, attempt: int) -> str:
+    """The engine's id of one attempt of a request ('#' cannot occur in a request id)."""
+    return f"{request_id}#{attempt}"
+
+
 class DecodeWorker(WorkerBase):
     service_names = ["handoff.v1.DecodeWorker", "handoff.v1.KVTransfer"]
 
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
-        self.inbox = KVInbox(ttl_s=config.kv_wait_s)
+        self.inbox = KVInbox(ttl_s=config.kv_wait_s, drop=lambda key: self.engine.cancel(key))
         self.kv_port = 0
+        self.kv_server = None
 
     def _num_blocks(self) -> int:
         c = self.model.config
@@ -52,13 +59,27 @@ class DecodeWorker(WorkerBase):
     def _engine_config(self) -> EngineConfig:
         return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running)
 
+    def max_rpcs(self) -> int:
+        # Every Decode stream and every push holds a lease of at least one block, so the pool bounds
+        # them; the margin covers calls refused at once, attempts winding down, health and reflection.
+        return self.engine.pool.num_blocks + 64
+
     def _add_services(self, server) -> None:
         internal_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self), server)
-        internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self), server)
 
-    def _bind_extra(self, server) -> None:
-        # Decode's KV port is its own, so a NetworkPolicy can open it to prefill pods alone.
-        self.kv_port = grpc_util.bind(server, self.config.host, self.config.kv_port, self.server_credentials)
+    def _start_extra(self) -> None:
+        # Decode's KV port is its own server: pushes never compete with Decode streams or health
+        # probes for RPC slots, and a NetworkPolicy can open the port to prefill pods alone.
+        self.kv_server = grpc_util.make_server(self.max_rpcs(), max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)
+        internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self), self.kv_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)  # same status as the main port
+        self.kv_port = grpc_util.bind(self.kv_server, self.config.host, self.config.kv_port, self.server_credentials,
+                                      flag="--kv-port")
+        self.kv_server.start()
+
+    def _stop_extra(self) -> None:
+        if self.kv_server is not None:
+            self.kv_server.stop(grace=1.0).wait()
 
     @property
     def kv_address(self) -> str:
@@ -67,17 +88,18 @@ class DecodeWorker(WorkerBase):
     def info(self) -> WorkerInfo:
         pool = self.engine.pool
         wid = self.config.worker_id
+        self.inbox.sweep()
+        num_waiting = len(self.engine.waiting) + self.engine.num_parked
         metrics.DECODE_RUNNING.labels(wid).set(len(self.engine.running))
-        metrics.DECODE_WAITING.labels(wid).set(len(self.engine.waiting) + self.inbox.num_parked)
+        metrics.DECODE_WAITING.labels(wid).set(num_waiting)
         metrics.KV_BLOCKS_USED.labels(wid).set(pool.num_used_blocks)
         metrics.KV_BLOCKS_TOTAL.labels(wid).set(pool.num_blocks)
         metrics.KV_USED_RATIO.labels(wid).set(pool.num_used_blocks / pool.num_blocks)
-        self.inbox.sweep()
         return WorkerInfo(worker_id=wid, role="decode", address=self.address, kv_address=self.kv_address,
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=len(self.engine.running),
-                          num_waiting=len(self.engine.waiting), started_at=self.started_at,
-                          block_size=self.config.block_size)
+                          num_waiting=num_waiting, started_at=self.started_at,
+                          block_size=self.config.block_size, metrics_port=self.metrics_port)
 
     def max_kv_bytes(self) -> int:
         # The largest push a Decode could use: a prompt that fits the context and, with the token
@@ -87,62 +109,73 @@ class DecodeWorker(WorkerBase):
         max_tokens = min(self.model.config.max_position, pool.num_blocks * pool.block_size) - 1
         return self.fingerprint().kv_bytes(max_tokens)
 
+    def check_lease(self, request_id: str, num_tokens: int) -> None:
+        """Work for a request is taken only under a live reservation of this worker's blocks, at this
+        epoch, large enough: otherwise Redis may have promised the blocks to someone else."""
+        try:
+            blocks = self.state.lease_blocks(self.config.worker_id, self.epoch, request_id)
+        except StateUnavailable as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"cannot check the KV reservation of {request_id}: {exc}") from exc
+        if blocks == 0:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{request_id} holds no live reservation of KV blocks on decode worker "
+                               f"{self.config.worker_id} at epoch {self.epoch} (never made, released, expired, "
+                               f"or made before a restart); reserve again")
+        need = self.engine.pool.blocks_for(num_tokens)
+        if need > blocks:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{request_id} reserved {blocks} KV blocks on {self.config.worker_id}, its "
+                               f"{num_tokens} tokens need {need}")
+
 
 class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.w = worker
 
     def Decode(self, request: internal_pb2.DecodeRequest, context):
-        with self.w.serving("Decode", request.request_id):
+        with self.w.serving("Decode", seq_key(request.request_id, request.attempt)):
             yield from self._decode(request, context)
 
     def _decode(self, request, context):
         w = self.w
         rid = request.request_id
+        key = seq_key(rid, request.attempt)
         if request.epoch != w.epoch:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"Decode for {rid} addressed to epoch {request.epoch!r}, this worker runs "
                                f"epoch {w.epoch!r} (it restarted); reserve again")
         cfg = w.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
-        ids = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
-        check_token_ids([request.first_token_id], cfg.vocab_size, 1, "first_token_id")
-        if request.num_generated >= len(ids):
-            raise ValueError(f"num_generated ({request.num_generated}) must be less than the "
-                             f"{len(ids)} tokens of prompt_ids")
+        prompt = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
+        output = check_token_ids(request.output_ids, cfg.vocab_size, cfg.max_position - len(prompt), "output_ids")
         # NaN would make the KV wait below endless; a negative wait is a caller's bug, not a timeout.
         if not (math.isfinite(request.kv_wait_s) and request.kv_wait_s >= 0):
             raise ValueError(f"kv_wait_s must be a finite number of seconds > 0 (0: this worker's "
                              f"default), got {request.kv_wait_s}")
-        split = len(ids) - request.num_generated
         # The most tokens the sequence can come to hold, as the router reserves them. More than the
         # whole pool could never finish: it would fail in the engine once the pool runs out.
-        num_tokens = max(len(ids) + 1, min(split + params.max_tokens, cfg.max_position))
+        num_tokens = max(len(prompt) + len(output), min(len(prompt) + params.max_tokens, cfg.max_position))
         pool = w.engine.pool
         if pool.blocks_for(num_tokens) > pool.num_blocks:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{rid} may need KV for {num_tokens} tokens (prompt_ids + max_tokens), more "
                                f"than this worker's whole pool of {pool.num_blocks * pool.block_size}; "
                                f"lower max_tokens")
-        prompt, earlier = ids[:split], ids[split:]
+        w.check_lease(rid, len(prompt) + len(output))
         # Whatever ends this call (client gone, deadline), the KV must not be admitted later.
-        context.add_callback(lambda: (w.inbox.cancel(rid), w.engine.cancel(rid)))
+        context.add_callback(lambda: (w.inbox.cancel(key), w.engine.cancel(key)))
         wait_s = min(request.kv_wait_s or w.config.kv_wait_s, context.time_remaining() or w.config.kv_wait_s)
         t0 = time.perf_counter()
-        kv = w.inbox.take(rid, wait_s, context.is_active)
-        if kv is None:
+        if not w.inbox.take(key, wait_s, context.is_active):
             if not context.is_active():
                 return
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"the KV of {rid} did not arrive within {wait_s:.1f} s; the prefill "
                                f"worker may have failed, retry the request")
-        if kv.shape[2] != len(ids):
-            raise ValueError(f"KV of {rid} holds {kv.shape[2]} tokens, prompt_ids has {len(ids)}")
         kv_wait_s = time.perf_counter() - t0
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        w.engine.submit(rid, prompt, params, events.put, seed=seed,
-                        output_ids=earlier + [request.first_token_id], kv=kv)
-        del kv
+        w.engine.submit(key, prompt, params, events.put, seed=seed, output_ids=output, parked=True)
         t_start = time.perf_counter()
         first = True
         while True:
@@ -181,7 +214,7 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
         w = self.w
         wid = w.config.worker_id
         receiver = KVReceiver(expected_fingerprint=w.fingerprint(), worker_id=wid, epoch=w.epoch,
-                              max_bytes=w.max_kv_bytes())
+                              max_bytes=w.max_kv_bytes(), admit=self._admit)
         t0 = time.perf_counter()
         try:
             for chunk in request_iterator:
@@ -191,10 +224,24 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
             metrics.KV_FAILURES.labels(wid, exc.code).inc()
             raise ServiceError(_KV_ERROR_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc)) from exc
         rid = receiver.request_id
+        key = seq_key(rid, receiver.header.attempt)
         kv_bytes = kv.numel() * kv.element_size()
         metrics.KV_BYTES.labels(wid, "in").inc(kv_bytes)
         metrics.KV_SECONDS.labels(wid).observe(time.perf_counter() - t0)
-        if not w.inbox.deliver(rid, kv):
-            raise ServiceError(grpc.StatusCode.CANCELLED,
-                               f"KV of {rid} refused: the request was cancelled or its KV already arrived")
-        return internal_pb2.PushKVReply(request_id=rid, num_tokens=kv.shape[2], kv_bytes=kv_bytes)
+        cancelled = ServiceError(grpc.StatusCode.CANCELLED,
+                                 f"KV of {rid} refused: the request's Decode call ended, or its KV already arrived")
+        if not w.inbox.accepting(key):
+            raise cancelled
+        # Into the paged pool now, counted like a running sequence's blocks (the lease made room).
+        refused = w.engine.park(key, kv).result(timeout=w.config.kv_wait_s)
+        del kv
+        if refused is not None:
+            metrics.KV_FAILURES.labels(wid, "no_room").inc()
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV of {rid} refused: {refused}")
+        if not w.inbox.arrived(key):
+            w.engine.cancel(key)
+            raise cancelled
+        return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)
+
+    def _admit(self, header: internal_pb2.KVHeader) -> None:
+        self.w.check_lease(header.request_id, header.num_tokens)

@@ -4,7 +4,7 @@ from prefill_svc.worker import PrefillWorker
 
 
 def main(argv=None) -> None:
-    serve(PrefillWorker, WorkerConfig.from_args("prefill", argv, port=50061, metrics_port=9101))
+    serve(PrefillWorker, WorkerConfig.from_args("prefill", argv, port=50061, metrics_port=0))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class PrefillWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=self.num_inflight,
                           num_waiting=len(self.engine.waiting), started_at=self.started_at,
-                          block_size=self.config.block_size)
+                          block_size=self.config.block_size, metrics_port=self.metrics_port)
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         super().stop(drain_timeout_s)
@@ -60,34 +60,42 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
         self.w = worker
 
     def Prefill(self, request: internal_pb2.PrefillRequest, context):
-        with self.w.serving("Prefill", request.request_id):
-            yield from self._prefill(request, context)
+        key = f"{request.request_id}#{request.target.attempt}"
+        with self.w.serving("Prefill", key):
+            yield from self._prefill(request, key, context)
 
-    def _prefill(self, request, context):
+    def _prefill(self, request, key: str, context):
         w = self.w
         rid = request.request_id
         cfg = w.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
         ids = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
+        resumed = list(request.output_ids)
+        if resumed:
+            check_token_ids(resumed, cfg.vocab_size, cfg.max_position - len(ids), "output_ids")
         target = request.target
         if not (target.worker_id and target.kv_address and target.epoch):
             raise ValueError("target must name the decode worker: worker_id, kv_address and epoch")
         t0 = time.perf_counter()
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        context.add_callback(lambda: w.engine.cancel(rid))
-        w.engine.submit(rid, ids, params, events.put, seed=seed)
+        context.add_callback(lambda: w.engine.cancel(key))
+        w.engine.submit(key, ids, params, events.put, seed=seed, output_ids=resumed)
         ev = events.get()
-        if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) or ev.kv is None:
+        if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
             if not context.is_active():
                 return
             raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
                                else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
         prefill_s = time.perf_counter() - t0
         metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
-        yield internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken(
-            token_id=ev.token_ids[0], prefill_s=prefill_s))
-        # The first token is on its way to the client; now ship the prompt's K/V to decode —
-        # unless the router already hung up (the request ended at its first token).
+        if ev.token_ids:
+            # The first token goes out at once; TTFT does not wait for the KV transfer. When it ends
+            # the request already (EOS, a stop, max_tokens 1), nobody will decode: no KV is pushed.
+            finished = ev.finish_reason is not None
+            yield internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken(
+                token_id=ev.token_ids[0], prefill_s=prefill_s, finished=finished))
+            if finished:
+                return
         if context.is_active():
             yield internal_pb2.PrefillEvent(transfer_done=self._push(rid, ev.kv, target, context))
 
@@ -97,17 +105,27 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
         t0 = time.perf_counter()
         chunks = encode_kv(kv.contiguous(), request_id=rid, target_worker_id=target.worker_id,
                            target_epoch=target.epoch, fingerprint=w.fingerprint(),
-                           reservation_id=target.reservation_id)
+                           reservation_id=target.reservation_id, attempt=target.attempt)
         try:
             with w.kv_channels.use(target.kv_address) as ch:
-                reply = internal_pb2_grpc.KVTransferStub(ch).PushKV(chunks, timeout=context.time_remaining())
+                push = internal_pb2_grpc.KVTransferStub(ch).PushKV.future(chunks, timeout=context.time_remaining())
+                # The Prefill call ending (request cancelled, router gone) ends the push too.
+                context.add_callback(push.cancel)
+                reply = push.result()
+        except grpc.FutureCancelledError:
+            raise ServiceError(grpc.StatusCode.CANCELLED, f"KV push of {rid} cancelled with its request") from None
         except grpc.RpcError as exc:
-            metrics.KV_FAILURES.labels(wid, exc.code().name.lower()).inc()
             code = exc.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            metrics.KV_FAILURES.labels(wid, code.name.lower()).inc()
+            message = (f"KV push of {rid} to decode worker {target.worker_id} ({target.kv_address}) failed: "
+                       f"{code.name}: {exc.details()}")
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+                raise ServiceError(grpc.StatusCode.INTERNAL, message) from exc  # what this worker sent was bad
+            if code == grpc.StatusCode.DATA_LOSS:  # damaged in transit: neither worker is to blame
+                raise ServiceError(code, message, grpc_util.blame("link", target.worker_id, target.epoch)) from exc
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 code = grpc.StatusCode.UNAVAILABLE
-            raise ServiceError(code, f"KV push of {rid} to decode worker {target.worker_id} "
-                                     f"({target.kv_address}) failed: {exc.code().name}: {exc.details()}") from exc
+            raise ServiceError(code, message, grpc_util.blame("decode", target.worker_id, target.epoch)) from exc
         transfer_s = time.perf_counter() - t0
         metrics.KV_BYTES.labels(wid, "out").inc(reply.kv_bytes)
         metrics.KV_SECONDS.labels(wid).observe(transfer_s)

@@ -49,7 +49,7 @@ class Cluster:
         # its certificate), and several workers cannot share one health port.
         self.worker_config = replace(worker or WorkerConfig(role="prefill"), host="127.0.0.1", port=0,
                                      advertise_host="127.0.0.1", model=model, dtype=dtype, device=device,
-                                     kv_memory_gib=kv_memory_gib, kv_port=0, metrics_port=0, health_port=0)
+                                     kv_memory_gib=kv_memory_gib, kv_port=0, metrics_port=-1, health_port=0)
         self.threads = threads
         self.redis: EmbeddedRedis | None = None
         self.prefill: list[PrefillWorker] = []

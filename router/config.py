@@ -20,6 +20,8 @@ class RouterConfig:
     max_messages: int = 256  # chat messages per request
     max_request_s: float = 600.0  # a request without a client deadline gets this one
     lease_ttl_s: float = 10.0  # a dead router's reservations come back within this
+    heartbeat_s: float = 0.5  # the router's registration beat; its requests are reaped ...
+    heartbeat_ttl_s: float = 2.0  # ... this long after its last beat
     queue_timeout_s: float = 5.0  # how long a request may wait for decode capacity
     max_queued: int = 128  # requests waiting for capacity; beyond, RESOURCE_EXHAUSTED at once
     kv_wait_s: float = 30.0  # how long a decode worker waits for a request's KV
@@ -39,6 +41,9 @@ class RouterConfig:
         for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.heartbeat_s < self.heartbeat_ttl_s <= self.lease_ttl_s:
+            raise ValueError("heartbeat_s < heartbeat_ttl_s <= lease_ttl_s must hold (a dead router's "
+                             "requests are ended within the lease TTL)")
         self.tls.check_for_service()
 
     @classmethod

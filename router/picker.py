@@ -16,6 +16,11 @@ from common.state import StateStore, WorkerInfo
 log = logging.getLogger(__name__)
 
 
+# A worker that failed a request is excluded for that request's retries by (worker_id, epoch): the
+# same id restarted (a new epoch) is a new process and may take the retry.
+Excluded = set[tuple[str, str]]
+
+
 @dataclass(frozen=True)
 class Lease:
     worker: WorkerInfo
@@ -34,10 +39,10 @@ class WorkerPicker:
         self._prefill_load: Counter[str] = Counter()  # requests this router has in flight per prefill worker
         self._warned: set[str] = set()
 
-    def _live(self, role: str, exclude: set[str]) -> list[WorkerInfo]:
+    def _live(self, role: str, exclude: Excluded) -> list[WorkerInfo]:
         workers = []
         for w in self.state.list_workers(role):
-            if w.worker_id in exclude:
+            if (w.worker_id, w.epoch) in exclude:
                 continue
             if w.model_id != self.model_id:
                 if w.worker_id not in self._warned:
@@ -49,7 +54,7 @@ class WorkerPicker:
         return workers
 
     def reserve_decode(self, request_id: str, num_tokens: int, deadline: float,
-                       exclude: set[str] = frozenset()) -> Lease:
+                       exclude: Excluded = frozenset()) -> Lease:
         """Lease KV blocks for num_tokens on the decode worker with the most room; waits (bounded) for room."""
         if not self._queue_slots.acquire(blocking=False):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -60,7 +65,7 @@ class WorkerPicker:
         finally:
             self._queue_slots.release()
 
-    def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: set[str]) -> Lease:
+    def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: Excluded) -> Lease:
         delay = 0.005
         largest = 0
         while True:
@@ -94,15 +99,23 @@ class WorkerPicker:
                            f"retry later or lower max_tokens")
 
     @staticmethod
-    def _none_left(role: str, exclude: set[str]) -> str:
+    def _none_left(role: str, exclude: Excluded) -> str:
         if exclude:
-            return (f"no {role} worker left to try: {', '.join(sorted(exclude))} failed this request "
-                    f"and no other is registered; retry shortly")
+            failed = ", ".join(sorted(wid for wid, _ in exclude))
+            return (f"no {role} worker left to try: {failed} failed this request and no other (nor a "
+                    f"restarted one) is registered; retry shortly")
         return (f"no {role} worker is registered (none started, all down, or Redis was reset and they "
                 f"have not re-registered yet); retry shortly")
 
-    def pick_prefill(self, exclude: set[str] = frozenset()) -> WorkerInfo:
-        workers = self._live("prefill", exclude)
+    def pick_prefill(self, deadline: float, exclude: Excluded = frozenset()) -> WorkerInfo:
+        """The least loaded prefill worker; when none is left (the only one died), waits for one to
+        (re)start, up to queue_timeout_s or the deadline."""
+        until = min(deadline, time.monotonic() + self.queue_timeout_s)
+        while True:
+            workers = self._live("prefill", exclude)
+            if workers or time.monotonic() >= until:
+                break
+            time.sleep(0.05)
         if not workers:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("prefill", exclude))
         random.shuffle(workers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 from common import grpc_util, security
 from common.engine.models import resolve_model_path
@@ -26,6 +27,9 @@ class RouterServer:
         self.port = 0
         self.health_server = None
         self._ready = threading.Event()
+        self._stop = threading.Event()
+        # New at every start: a restarted router is a new one, and the old one's requests get reaped.
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
 
     def start(self) -> "RouterServer":
         cfg = self.config
@@ -36,7 +40,7 @@ class RouterServer:
         path = resolve_model_path(self.config.model)
         # The router needs the tokenizer and the model's shape, never the weights themselves.
         self.router = Router(self.config, self.state, load_tokenizer(path), read_model_config(path),
-                             weights_id_of(path))
+                             weights_id_of(path), router_id=self.router_id)
         self.server = grpc_util.make_server(
             cfg.server_threads, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES,
             interceptors=(security.APIKeyInterceptor(keys),) if keys.enabled else ())
@@ -47,6 +51,8 @@ class RouterServer:
         if cfg.health_port:
             self.health_server = grpc_util.serve_health(self.health, cfg.host, cfg.health_port)
         threading.Thread(target=self._become_ready, name="router-ready", daemon=True).start()
+        self._heartbeat = threading.Thread(target=self._beat, name="router-heartbeat", daemon=True)
+        self._heartbeat.start()
         tls = ("plaintext" if credentials is None else
                "TLS, client certificates required" if cfg.tls.require_client_cert else "TLS")
         log.info("router listening on %s:%d (%s; %s)", cfg.host, self.port, tls,
@@ -64,10 +70,29 @@ class RouterServer:
                 log.warning("waiting for Redis: %s", exc)
                 time.sleep(0.5)
 
+    def _beat(self) -> None:
+        """Keeps this router registered (its requests' records are ended by others if it dies) and
+        ends the records of routers that died."""
+        cfg = self.config
+        while not self._stop.wait(cfg.heartbeat_s):
+            try:
+                self.state.router_heartbeat(self.router_id, cfg.heartbeat_ttl_s)
+                for router_id, num_ended in self.state.reap_routers().items():
+                    log.warning("router %s is gone: ended its %d requests still in flight", router_id, num_ended)
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive any error
+                log.warning("router heartbeat failed, will keep trying: %s", exc,
+                            exc_info=not isinstance(exc, StateUnavailable))
+
     def stop(self, grace_s: float = 25.0) -> None:
         self._ready.set()
         grpc_util.set_serving(self.health, SERVICE_NAMES, False)
         self.server.stop(grace=grace_s).wait()
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        try:
+            self.state.deregister_router(self.router_id)
+        except StateUnavailable as exc:
+            log.warning("could not deregister (the entry expires by itself): %s", exc)
         if self.health_server is not None:
             self.health_server.stop(grace=None)
         self.router.close()

@@ -10,12 +10,13 @@ import grpc
 from common import grpc_util, metrics, security
 from common.grpc_util import ServiceError
 from common.engine.output import FinishReason, OutputProcessor
-from common.state import RequestState, StateStore, StateUnavailable
+from common.state import RequestState, StateStore, StateUnavailable, WorkerInfo
 from common.engine.tokenizer import Tokenizer
 from common.wire import FINISH_TO_PB, sampling_to_pb
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.config import RouterConfig
-from router.picker import WorkerPicker
+from router.leases import LeaseKeeper
+from router.picker import Excluded, Lease, WorkerPicker
 from router.validate import RequestValidator, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -29,29 +30,38 @@ _TERMINAL = {FinishReason.STOP: RequestState.FINISHED, FinishReason.LENGTH: Requ
 
 
 class _AttemptFailed(Exception):
-    def __init__(self, where: str, worker_id: str, message: str):
-        super().__init__(f"{where} worker {worker_id}: {message}")
-        self.where = where
+    """One attempt failed; `role` is what it is charged to: a "prefill" or "decode" worker (excluded
+    from this request's retries), the "link" between them, or the "lease" (lost, no worker at fault)."""
+
+    def __init__(self, role: str, worker_id: str, epoch: str, message: str):
+        super().__init__(f"{role} worker {worker_id}: {message}" if role in ("prefill", "decode")
+                         else f"{role} ({worker_id}): {message}")
+        self.role = role
         self.worker_id = worker_id
+        self.epoch = epoch
 
 
 class Router:
-    """What all Generate calls share: validation, worker choice, channels, Redis."""
+    """What all Generate calls share: validation, worker choice, channels, Redis, the lease keeper."""
 
-    def __init__(self, config: RouterConfig, state: StateStore, tokenizer: Tokenizer, model_config, weights_id: str):
+    def __init__(self, config: RouterConfig, state: StateStore, tokenizer: Tokenizer, model_config, weights_id: str,
+                 router_id: str = ""):
         self.config = config
         self.state = state
         self.tokenizer = tokenizer
         self.model_config = model_config
+        self.router_id = router_id
         self.validator = RequestValidator(tokenizer, model_config, default_max_tokens=config.default_max_tokens,
                                           max_messages=config.max_messages)
         self.picker = WorkerPicker(state, weights_id, lease_ttl_s=config.lease_ttl_s,
                                    queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued)
+        self.leases = LeaseKeeper(state, config.lease_ttl_s)
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
         self.channels = grpc_util.ChannelCache(credentials=security.channel_credentials(config.tls),
                                                server_name=config.tls.server_name)
 
     def close(self) -> None:
+        self.leases.close()
         self.channels.close()
 
 
@@ -78,10 +88,10 @@ class GenerateCall:
         self.t_arrival = time.perf_counter()
         self.t_first: float | None = None
         self.t_last: float | None = None
-        self.lease = None
+        self.lease: Lease | None = None
+        self._lease_lost: str | None = None  # set by the lease keeper's thread
         self._calls: list = []
         self._calls_lock = threading.Lock()
-        self._last_renew = 0.0
 
     # ---- bookkeeping that must not break a stream when Redis hiccups
 
@@ -94,6 +104,7 @@ class GenerateCall:
     def _release(self) -> None:
         if self.lease is None:
             return
+        self.r.leases.drop(self.rid)
         try:
             self.r.state.release(self.lease.worker.worker_id, self.rid)
         except StateUnavailable as exc:
@@ -101,15 +112,10 @@ class GenerateCall:
                         self.r.config.lease_ttl_s, exc)
         self.lease = None
 
-    def _renew(self) -> None:
-        now = time.monotonic()
-        if self.lease is None or now - self._last_renew < self.r.config.lease_ttl_s / 3:
-            return
-        self._last_renew = now
-        try:
-            self.r.state.renew(self.lease.worker.worker_id, self.rid, self.r.config.lease_ttl_s)
-        except StateUnavailable as exc:
-            log.warning("%s: could not renew lease: %s", self.rid, exc)
+    def _on_lease_lost(self, reason: str) -> None:
+        # The blocks may be someone else's now: stop this attempt; the retry reserves again.
+        self._lease_lost = reason
+        self._cancel_calls()
 
     def _cancel_calls(self) -> None:
         with self._calls_lock:
@@ -131,7 +137,7 @@ class GenerateCall:
         try:
             created = self.r.state.create_request(
                 self.rid, prompt_tokens=len(self.req.prompt_ids), max_tokens=self.req.params.max_tokens,
-                seed=str(self.req.seed))
+                router_id=self.r.router_id, seed=str(self.req.seed))
         except StateUnavailable as exc:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"cluster state (Redis) is unreachable: {exc}") from exc
         if not created:
@@ -166,92 +172,108 @@ class GenerateCall:
 
     def _serve(self, deadline: float):
         failures: list[str] = []
-        exclude: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        exclude: Excluded = set()
         for attempt in range(1, self.r.config.max_attempts + 1):
             try:
-                return (yield from self._attempt(deadline, exclude))
+                return (yield from self._attempt(attempt, deadline, exclude))
             except _AttemptFailed as exc:
                 # Whatever the failed attempt still has open downstream must stop now.
                 self._cancel_calls()
                 failures.append(str(exc))
-                exclude[exc.where].add(exc.worker_id)
-                metrics.RETRIES.labels(exc.where).inc()
+                if exc.role in ("prefill", "decode"):
+                    exclude.add((exc.worker_id, exc.epoch))
+                metrics.RETRIES.labels(exc.role).inc()
                 log.warning("%s: attempt %d failed (%s); %s", self.rid, attempt, exc,
                             "retrying" if attempt < self.r.config.max_attempts else "giving up")
-                self._release()
+                # The decode reservation is kept for the retry unless decode (or the lease) failed.
+                if exc.role in ("decode", "lease"):
+                    self._release()
+            except StateUnavailable as exc:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   f"cluster state (Redis) is unreachable while choosing workers for {self.rid} "
+                                   f"({len(self.generated)} tokens streamed): {exc}; retry shortly") from exc
             if not self.context.is_active():
                 return FinishReason.CANCELLED
         raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                            f"request {self.rid} failed on {len(failures)} attempts (the retry budget) after "
                            f"{len(self.generated)} tokens: " + "; ".join(failures))
 
-    def _attempt(self, deadline: float, exclude: dict[str, set[str]]):
+    def _attempt(self, attempt: int, deadline: float, exclude: Excluded):
         r, req = self.r, self.req
-        t_queue = time.perf_counter()
-        metrics.ROUTER_WAITING.inc()
-        try:
-            self.lease = r.picker.reserve_decode(self.rid, len(req.prompt_ids) + req.params.max_tokens, deadline,
-                                                 exclude["decode"])
-        finally:
-            metrics.ROUTER_WAITING.dec()
-        metrics.QUEUE.observe(time.perf_counter() - t_queue)
-        self._last_renew = time.monotonic()
+        self._lease_lost = None
+        if self.lease is None:
+            t_queue = time.perf_counter()
+            metrics.ROUTER_WAITING.inc()
+            try:
+                lease = r.picker.reserve_decode(self.rid, len(req.prompt_ids) + req.params.max_tokens, deadline, exclude)
+            finally:
+                metrics.ROUTER_WAITING.dec()
+            metrics.QUEUE.observe(time.perf_counter() - t_queue)
+            self.lease = lease
+            # Renewed from now until released, whatever this request waits for.
+            r.leases.hold(self.rid, lease.worker.worker_id, lease.worker.epoch, lease.num_blocks,
+                          self._on_lease_lost)
         dw = self.lease.worker
-        pw = r.picker.pick_prefill(exclude["prefill"])
-        with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
-            return (yield from self._relay(pw, dw, prefill_ch, decode_ch, deadline))
-
-    def _relay(self, pw, dw, prefill_ch: grpc.Channel, decode_ch: grpc.Channel, deadline: float):
-        """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client."""
-        r, req = self.r, self.req
-        # A resumed request re-prefills everything but its newest token, which decode feeds next.
-        ids = req.prompt_ids + self.generated[:-1]
-        sampling = sampling_to_pb(req.params, req.seed)
-        self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id)
+        pw = r.picker.pick_prefill(deadline, exclude)
         try:
-            prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(prefill_ch).Prefill(
-                internal_pb2.PrefillRequest(
-                    request_id=self.rid, prompt_ids=ids, sampling=sampling,
-                    target=internal_pb2.KVTarget(worker_id=dw.worker_id, kv_address=dw.kv_address,
-                                                 epoch=dw.epoch, reservation_id=self.rid)),
-                timeout=self._timeout(deadline)))
-            first = self._next(prefill_call, "prefill", pw.worker_id, deadline)
-            if not first.HasField("first_token"):
-                raise _AttemptFailed("prefill", pw.worker_id, "answered without a first token")
-            if not self.generated:
-                msg = self._push([first.first_token.token_id])
-                if msg is not None:
-                    yield msg
-                if self.out.finish_reason is not None:
-                    return self.out.finish_reason
-            self._record(RequestState.TRANSFERRING)
-            decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
-                internal_pb2.DecodeRequest(
-                    request_id=self.rid, epoch=dw.epoch, prompt_ids=ids, first_token_id=self.generated[-1],
-                    sampling=sampling, num_generated=len(self.generated) - 1, kv_wait_s=r.config.kv_wait_s),
-                timeout=self._timeout(deadline)))
-            done = self._next(prefill_call, "prefill", pw.worker_id, deadline)
-            self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
-                         transfer_s=round(done.transfer_done.transfer_s, 6))
+            with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
+                return (yield from self._relay(attempt, pw, dw, prefill_ch, decode_ch, deadline))
         finally:
             r.picker.done_prefill(pw.worker_id)
+
+    def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.Channel, decode_ch: grpc.Channel, deadline: float):
+        """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client.
+
+        A resumed attempt (tokens already streamed) prefills the prompt alone; the decode worker
+        recomputes the completion's K/V by decode steps, so the continuation is bit-identical."""
+        r, req = self.r, self.req
+        sampling = sampling_to_pb(req.params, req.seed)
+        resumed = list(self.generated)
+        self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id,
+                     attempt=attempt)
+        prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(prefill_ch).Prefill(
+            internal_pb2.PrefillRequest(
+                request_id=self.rid, prompt_ids=req.prompt_ids, sampling=sampling, output_ids=resumed,
+                target=internal_pb2.KVTarget(worker_id=dw.worker_id, kv_address=dw.kv_address, epoch=dw.epoch,
+                                             reservation_id=self.rid, attempt=attempt)),
+            timeout=self._timeout(deadline)))
+        if not resumed:
+            first = self._next(prefill_call, pw, deadline)
+            if first is None or not first.HasField("first_token"):
+                raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
+            msg = self._push([first.first_token.token_id])
+            if msg is not None:
+                yield msg
+            if self.out.finish_reason is not None:
+                return self.out.finish_reason
+        self._record(RequestState.TRANSFERRING)
+        decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
+            internal_pb2.DecodeRequest(
+                request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
+                attempt=attempt, sampling=sampling, kv_wait_s=r.config.kv_wait_s),
+            timeout=self._timeout(deadline)))
+        done = self._next(prefill_call, pw, deadline)
+        if done is None or not done.HasField("transfer_done"):
+            raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
+        self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
+                     transfer_s=round(done.transfer_done.transfer_s, 6))
         while True:
-            ev = self._next(decode_call, "decode", dw.worker_id, deadline)
+            ev = self._next(decode_call, dw, deadline)
             if ev is None:
-                raise _AttemptFailed("decode", dw.worker_id, "stream ended without a finish reason")
+                raise _AttemptFailed("decode", dw.worker_id, dw.epoch, "stream ended without a finish reason")
             msg = self._push(list(ev.token_ids))
             if msg is not None:
                 yield msg
             if self.out.finish_reason is not None:
                 return self.out.finish_reason
             if ev.HasField("finish_reason"):
-                raise _AttemptFailed("decode", dw.worker_id, "finished while the router expected more tokens")
-            self._renew()
+                raise _AttemptFailed("decode", dw.worker_id, dw.epoch, "finished while the router expected more tokens")
 
     def _timeout(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
 
-    def _next(self, call, where: str, worker_id: str, deadline: float):
+    def _next(self, call, worker: WorkerInfo, deadline: float):
+        """The call's next message (None at its end); a failure is charged to the worker that failed."""
         try:
             return next(call)
         except StopIteration:
@@ -260,14 +282,16 @@ class GenerateCall:
             code = exc.code()
             if not self.context.is_active():
                 raise ServiceError(grpc.StatusCode.CANCELLED, "client cancelled") from exc
+            if self._lease_lost is not None:
+                raise _AttemptFailed("lease", self.rid, "", self._lease_lost) from exc
             if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"request {self.rid} ran past its deadline after {len(self.generated)} "
-                                   f"tokens ({where} worker {worker_id})") from exc
+                                   f"tokens ({worker.role} worker {worker.worker_id})") from exc
+            role, worker_id, epoch = grpc_util.blamed(exc) or (worker.role, worker.worker_id, worker.epoch)
             if code in _RETRYABLE:
-                raise _AttemptFailed(where, worker_id, f"{code.name}: {exc.details()}") from exc
-            raise ServiceError(code, f"{where} worker {worker_id}: {exc.details()}") from exc
-
+                raise _AttemptFailed(role, worker_id, epoch, f"{code.name}: {exc.details()}") from exc
+            raise ServiceError(code, f"{role} worker {worker_id}: {exc.details()}") from exc
     def _push(self, token_ids: list[int]) -> handoff_pb2.GenerateResponse | None:
         """Feed tokens through the output processor; the message to stream, the last one when finished."""
         text, new_ids = "", []

@@ -208,16 +208,21 @@ def test_record_shows_states_in_order(cluster, stub):
     assert int(record["kv_bytes"]) == fp.kv_bytes(msgs[-1].prompt_tokens)
 
 
-def _push(worker: DecodeWorker, *, fingerprint=None, epoch=None, worker_id=None, num_tokens=4):
+def _push(worker: DecodeWorker, *, fingerprint=None, epoch=None, worker_id=None, num_tokens=4, reserve=True):
+    """A push of zeros, under a fresh reservation of the worker's blocks unless reserve=False."""
     fp = fingerprint or worker.fingerprint()
     kv = torch.zeros(fp.num_layers, 2, num_tokens, fp.num_kv_heads, fp.head_dim, dtype=fp.torch_dtype)
+    rid = f"push-{time.monotonic_ns()}"
+    if reserve:
+        assert worker.state.reserve(worker.config.worker_id, worker.epoch, rid, 1, ttl_s=5).ok
     ch = grpc.insecure_channel(worker.kv_address)
     try:
         return internal_pb2_grpc.KVTransferStub(ch).PushKV(
-            encode_kv(kv, request_id=f"push-{time.monotonic_ns()}", target_worker_id=worker_id or worker.config.worker_id,
+            encode_kv(kv, request_id=rid, target_worker_id=worker_id or worker.config.worker_id,
                       target_epoch=epoch or worker.epoch, fingerprint=fp), timeout=10)
     finally:
         ch.close()
+        worker.state.release(worker.config.worker_id, rid)
 
 
 def test_kv_push_with_wrong_fingerprint_or_epoch_is_rejected(cluster):
@@ -233,6 +238,22 @@ def test_kv_push_with_wrong_fingerprint_or_epoch_is_rejected(cluster):
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, bad
         assert "rejected" in err.value.details()
     w.inbox.sweep()
+
+
+def test_kv_push_without_a_reservation_is_refused_before_its_buffer(cluster):
+    """Redis may have promised unleased blocks to someone else: the decode worker takes no KV for a
+    request that holds no live lease on it (nor one too small for the push)."""
+    w = cluster.decode[0]
+    used = w.engine.pool.num_used_blocks
+    with pytest.raises(grpc.RpcError) as err:
+        _push(w, reserve=False)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no live reservation" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        _push(w, num_tokens=40)  # 3 blocks of 16, the lease holds 1
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "reserved 1 KV blocks" in err.value.details()
+    assert w.engine.pool.num_used_blocks == used
 
 
 def test_health_is_serving_only_once_registered(cluster):

@@ -176,8 +176,17 @@ def test_tiny_llama_logits_match_hf(tiny, source):
         with torch.inference_mode():
             ref = model(torch.tensor([ids])).logits[0, len(ids) - num_decode - 1:]  # [num_decode + 1, V]
         assert ref.std() > 0.1  # random weights big enough that a wrong rotary or permutation shows
+        # Prefill's logits are exact fp32; a decode row's are exact for its REFINE_TOP best tokens
+        # and int8-close elsewhere (the batch-invariant decode LM head, model.py). Only the best 8
+        # are compared: past them an unrefined logit may outrank a refined one.
+        diff = (got[0] - ref[0]).abs().max().item()
+        assert diff <= 1e-4, f"{source}, {len(ids)} tokens, prefill: max |logit diff| = {diff}"
+        top = got[1:].topk(8, dim=-1).indices
+        diff = (got[1:].gather(1, top) - ref[1:].gather(1, top)).abs().max().item()
+        assert diff <= 1e-4, f"{source}, {len(ids)} tokens, decode: max |refined logit diff| = {diff}"
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
         diff = (got - ref).abs().max().item()
-        assert diff <= 1e-4, f"{source}, {len(ids)} tokens: max |logit diff| = {diff}"
+        assert diff <= 0.01 * ref.abs().max().item(), f"{source}, {len(ids)} tokens: max |logit diff| = {diff}"
 
 
 # --------------------------------------------------------------------------- sharded safetensors

@@ -171,6 +171,15 @@ class Engine:
             self._finish(seq, FinishReason.CANCELLED, error="engine stopped")
         for seq_id in list(self._parked):
             self._unpark(seq_id)
+        while True:  # what arrived after the last step must not wait forever
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "park":
+                arg[2].set_result("the engine stopped (the worker is shutting down)")
+            elif kind == "submit":
+                arg.sink(TokenEvent(arg.seq_id, [], "", FinishReason.CANCELLED, error="engine stopped"))
 
     def step(self) -> bool:
         """One scheduling iteration; returns False when there was nothing to do."""
