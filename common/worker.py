@@ -380,7 +380,10 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     worker.metrics_port = metrics_port
     worker.on_drain_request = stop.set  # `python -m router.status drain` does what SIGTERM does
     try:
-        worker.start()
+        try:
+            worker.start()
+        except grpc_util.PortInUse as exc:
+            raise SystemExit(f"{config.role} worker: {exc}") from None  # one line, no traceback
         stop.wait()
         log.info("%s: draining", "drain requested" if worker.drain_requested.is_set() else "signal received")
         worker.stop()

@@ -3,7 +3,7 @@ import logging
 import signal
 import threading
 
-from common import cli, metrics
+from common import cli, grpc_util, metrics
 from common.redis_server import connect
 from common.state import StateStore
 from router.config import RouterConfig
@@ -19,7 +19,10 @@ def main(argv=None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = RouterServer(config, StateStore(client)).start()
+    try:
+        server = RouterServer(config, StateStore(client)).start()
+    except grpc_util.PortInUse as exc:
+        raise SystemExit(f"router: {exc}") from None  # one line, no traceback
     stop.wait()
     log.info("signal received: finishing in-flight streams")
     server.stop(config.drain_timeout_s)

@@ -87,6 +87,13 @@ class LeaseKeeper:
             return None
         result = self.state.reserve(lease.worker_id, lease.epoch, request_id, lease.num_blocks, self.ttl_s)
         if result.ok:
+            with self._lock:
+                dropped = self._held.get(request_id) is not lease
+            if dropped:
+                # The request ended (and released) while this reserve ran: undo it, or the blocks would
+                # stay promised to nobody until the lease expired.
+                self.state.release(lease.worker_id, request_id)
+                return None
             log.info("lease of %s on %s reserved again (Redis had lost it)", request_id, lease.worker_id)
             lease.gone_since = None
             return None

@@ -46,7 +46,7 @@ class RouterServer:
             interceptors=(security.APIKeyInterceptor(keys),) if keys.enabled else ())
         self.health = grpc_util.add_health_and_reflection(self.server, SERVICE_NAMES)
         handoff_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.router), self.server)
-        self.port = grpc_util.bind(self.server, cfg.host, cfg.port, credentials)
+        self.port = grpc_util.bind(self.server, cfg.host, cfg.port, credentials, flag="--port")
         self.server.start()
         if cfg.health_port:
             self.health_server = grpc_util.serve_health(self.health, cfg.host, cfg.health_port)

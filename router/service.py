@@ -161,11 +161,11 @@ class GenerateCall:
             if reason == FinishReason.ERROR and not self.context.is_active():
                 reason, error = FinishReason.CANCELLED, None
             self._cancel_calls()
-            self._release()
             fields = {"completion_tokens": len(self.generated), "finish_reason": reason.value}
             if error:
                 fields["error"] = error[:2000]
             self._record(_TERMINAL[reason], **fields)
+            self._release()  # after the record: a request in flight always holds its lease
             metrics.ROUTER_RUNNING.dec()
             metrics.REQUESTS.labels(reason.value).inc()
             metrics.E2E.observe(time.perf_counter() - self.t_arrival)

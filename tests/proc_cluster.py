@@ -20,6 +20,7 @@ from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
 
 REPO = Path(__file__).resolve().parent.parent
+LEASE_TTL_S = 4.0  # the router's: a dead router's records must be terminal within it
 
 
 def free_port() -> int:
@@ -79,7 +80,7 @@ class ProcCluster:
         common = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis.url,
                   "--metrics-port", "0", "--log-level", "WARNING"]
         if role == "router":
-            args = ["-m", "router", *common, "--lease-ttl-s", "3"]
+            args = ["-m", "router", *common, "--lease-ttl-s", str(LEASE_TTL_S)]
             proc = Proc(role, name, args, port)
         else:
             args = ["-m", f"{role}_svc", *common, "--advertise-host", "127.0.0.1", "--worker-id", name,
@@ -135,25 +136,34 @@ class ProcCluster:
     def decode_names(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.role == "decode" and p.alive()]
 
-    def wait_idle(self, timeout_s: float = 15.0) -> None:
-        """Every live decode worker reports all KV blocks free and nothing running; no lease left."""
+    def leftovers(self) -> dict[str, int]:
+        """What the live workers still hold, as they report it: KV blocks in use (decode and prefill
+        pools), sequences running or waiting (parked KV included) and leases in Redis."""
+        out = {"blocks_used": 0, "sequences": 0, "leases": 0, "unregistered": 0}
+        for name, p in self.procs.items():
+            if p.role == "router" or not p.alive():
+                continue
+            info = self.state.get_worker(name)
+            if info is None:
+                out["unregistered"] += 1
+                continue
+            out["blocks_used"] += info.total_blocks - info.free_blocks
+            out["sequences"] += info.num_running + info.num_waiting
+            if p.role == "decode":
+                out["leases"] += len(self.state.reservations(name))
+        return out
+
+    def wait_idle(self, timeout_s: float = 15.0) -> dict[str, int]:
+        """Waits until every live worker is registered with all KV blocks free, nothing running or
+        parked, and no lease is left; returns what was left at the first look (for the report)."""
         deadline = time.monotonic() + timeout_s
+        first = None
         while True:
-            problems = []
-            for name in self.decode_names():
-                info = self.state.get_worker(name)
-                if info is None:
-                    problems.append(f"{name} not registered")
-                    continue
-                if info.free_blocks != info.total_blocks or info.num_running or info.num_waiting:
-                    problems.append(f"{name}: {info.total_blocks - info.free_blocks} blocks used, "
-                                    f"{info.num_running} running, {info.num_waiting} waiting")
-                leases = self.state.reservations(name)
-                if leases:
-                    problems.append(f"{name}: leases left {leases}")
-            if not problems:
-                return
-            assert time.monotonic() < deadline, "; ".join(problems)
+            left = self.leftovers()
+            first = first or left
+            if not any(left.values()):
+                return first
+            assert time.monotonic() < deadline, f"not idle after {timeout_s} s: {left}"
             time.sleep(0.1)
 
     def stop(self) -> None:

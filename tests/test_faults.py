@@ -1,253 +1,345 @@
-"""The fault-injection suite: real service processes, real kills.
+"""The fault-injection suite in the configuration users run: real service processes (`python -m ...`),
+default dtype (bf16 weights, packed int4 decode), the smallest prefill pool (one worker) and two decode
+workers, greedy and seeded sampled requests, real kills.
 
-After each fault: every request reached a terminal state, greedy ones produced exactly the
-fault-free output, every decode pool is back to all-free, no reservation is left in Redis.
-Each test prints one JSON line of figures (run with -s to see them).
+After each fault: every stream completed with exactly the fault-free tokens (or, where the fault leaves
+no way to serve, failed with a clear status), every request reached a terminal state, and nothing is
+held: no KV block in use, nothing parked, no lease in Redis. Each test prints one JSON line of figures
+per request kind (run with -s to see them); tests/test_faults_two_prefill.py repeats the kills with two
+prefill workers.
 """
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 import torch
 
+from common.engine.weights import read_model_config, weights_id_of
 from common.kv_wire import ModelFingerprint, encode_kv
 from common.state import TERMINAL_STATES, RequestState
-from common.engine.weights import read_model_config, weights_id_of
-from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2_grpc
-from tests.proc_cluster import ProcCluster
+from protos import handoff_pb2, internal_pb2_grpc
+from tests.fault_util import (
+    SPECS,
+    Spec,
+    assert_terminal,
+    fault_free,
+    join,
+    kill_mid_stream,
+    longest_stall,
+    report,
+    run_many,
+    run_one,
+    settle_and_measure,
+    wait_streaming,
+)
+from tests.proc_cluster import LEASE_TTL_S, ProcCluster
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
 
-MAX_TOKENS = 40
-PROMPTS = [f"The story of a {animal} who" for animal in ["cat", "dog", "fox", "owl", "bee", "cow", "elk", "yak"] * 2]
+TOPOLOGY = "1P+2D"
 
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory):
-    # fp32: a failover re-computes the KV by prefill instead of by decode steps; in fp32 that is
-    # equal to ~1e-6, so greedy outputs must match exactly.
-    c = ProcCluster(tmp_path_factory.mktemp("procs"), num_prefill=2, num_decode=2,
-                    env={"HANDOFF_DTYPE": "fp32"}).start()
+    c = ProcCluster(tmp_path_factory.mktemp("procs"), num_prefill=1, num_decode=2).start()
     yield c
     c.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(procs):
-    """Fault-free greedy outputs of PROMPTS, one at a time."""
-    return {p: run_one(procs.router_address, p, f"ref-{i}-{time.monotonic_ns()}")["ids"]
-            for i, p in enumerate(sorted(set(PROMPTS)))}
+    return fault_free(procs)
 
 
-def run_one(address, prompt, rid, *, max_tokens=MAX_TOKENS, cancel_after_s=None, timeout=120,
-            progress: dict | None = None):
-    """One Generate call; returns what arrived, when, and how it ended."""
-    out = {"rid": rid, "ids": [], "times": [], "finish": None, "error": None, "cancelled": False}
-    with grpc.insecure_channel(address) as ch:
-        call = handoff_pb2_grpc.RouterStub(ch).Generate(
-            handoff_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                        request_id=rid), timeout=timeout)
-        if cancel_after_s is not None:
-            timer = threading.Timer(cancel_after_s, call.cancel)
-            timer.start()
-        try:
-            for msg in call:
-                out["ids"] += msg.token_ids
-                out["times"].append(time.monotonic())
-                if progress is not None:
-                    progress[rid] = len(out["ids"])
-                if msg.finish_reason:
-                    out["finish"] = msg.finish_reason
-        except grpc.RpcError as exc:
-            out["error"] = (exc.code(), exc.details())
-            out["cancelled"] = exc.code() == grpc.StatusCode.CANCELLED
-        finally:
-            if cancel_after_s is not None:
-                timer.cancel()
-    return out
+# --------------------------------------------------------------------------- kills
+
+@pytest.mark.parametrize("victim", ["decode-0", "decode-1", "prefill-0"])
+def test_kill_mid_stream(procs, reference, victim):
+    kill_mid_stream(procs, reference, victim, TOPOLOGY)
 
 
-def run_many(address, specs, **kw):
-    results = [None] * len(specs)
+def test_kill_router_mid_stream_ends_every_record_within_the_lease_ttl(procs):
+    """A router that dies leaves no record in flight: whoever beats next (a worker, another router)
+    reaps its requests once its registration lapses, and releases their leases."""
+    progress: dict[str, int] = {}
+    threads, results = run_many(procs.router_address, SPECS[:8], "kill-router", progress=progress)
+    wait_streaming(progress, 8, 3)
+    t_kill = procs.kill("router")
+    join(threads)
+    pending = {r.rid for r in results}
+    while pending and time.monotonic() < t_kill + 3 * LEASE_TTL_S:
+        pending = {rid for rid in pending if procs.state.get_request(rid)["state"] not in TERMINAL_STATES}
+        time.sleep(0.05)
+    ended_s = time.monotonic() - t_kill
+    procs.restart("router")
+    left = settle_and_measure(procs)
+    records = [procs.state.get_request(r.rid) for r in results]
+    report(fault="kill -9 router", topology=TOPOLOGY, streams=len(results),
+           clients_unavailable=sum(r.error is not None and r.error[0] == grpc.StatusCode.UNAVAILABLE
+                                   for r in results),
+           records_terminal=sum(rec["state"] in TERMINAL_STATES for rec in records), all_terminal_after_s=round(ended_s, 3),
+           lease_ttl_s=LEASE_TTL_S, leaked_blocks=left["blocks_used"], parked_or_running=left["sequences"],
+           leases_left=left["leases"])
+    assert not pending, f"records still in flight {3 * LEASE_TTL_S:.0f} s after the router died: {pending}"
+    assert ended_s <= LEASE_TTL_S, f"the dead router's records took {ended_s:.2f} s to end (lease TTL {LEASE_TTL_S} s)"
+    failed = [rec for rec in records if rec["state"] == RequestState.FAILED]
+    assert failed and all("router" in rec["error"] for rec in failed), records
+    assert not any(left.values()), left
 
-    def worker(i, prompt, rid, extra):
-        results[i] = run_one(address, prompt, rid, **kw, **extra)
 
-    threads = [threading.Thread(target=worker, args=(i, *spec)) for i, spec in enumerate(specs)]
-    for t in threads:
-        t.start()
-    return threads, results
+# --------------------------------------------------------------------------- Redis
+
+def _big_spec(procs) -> Spec:
+    """A request whose reservation takes a whole decode worker's pool."""
+    info = procs.state.get_worker("decode-0")
+    return Spec("greedy-cat", "The story of a cat who", "greedy", max_tokens=info.total_blocks * info.block_size - 16)
 
 
-def assert_terminal(procs, results):
+def test_redis_down_while_requests_wait_for_capacity(procs):
+    """Requests waiting for decode capacity when Redis goes away get UNAVAILABLE that says so (never
+    INTERNAL), streams already decoding go on, and service resumes by itself once Redis is back."""
+    hogs, hog_results = run_many(procs.router_address, [_big_spec(procs)] * 2, "hog", timeout=60, cancel_after_s=20)
+    deadline = time.monotonic() + 30
+    while sum(len(procs.state.reservations(n)) for n in ("decode-0", "decode-1")) < 2:
+        assert time.monotonic() < deadline, "the two large requests did not reserve"
+        time.sleep(0.05)
+    waiting, results = run_many(procs.router_address, SPECS[:4], "wait", timeout=60)
+    time.sleep(1.0)  # they are in the reservation loop now: no decode worker has room
+    t_down = time.monotonic()
+    procs.redis.stop()
+    join(waiting)
+    failed_s = max(r.times[-1] if r.times else time.monotonic() for r in results) - t_down
+    procs.redis.start()
+    recovered_s = _recover(procs, t_down)
+    for t in hogs:
+        t.join(timeout=60)
+    left = settle_and_measure(procs)
+    report(fault="Redis down during reservation", topology=TOPOLOGY, waiting=len(results),
+           unavailable=sum(r.error is not None and r.error[0] == grpc.StatusCode.UNAVAILABLE for r in results),
+           failed_within_s=round(failed_s, 3), hogs_streamed=[len(r.ids) for r in hog_results],
+           recovered_after_s=round(recovered_s, 3), leaked_blocks=left["blocks_used"],
+           parked_or_running=left["sequences"], leases_left=left["leases"])
     for r in results:
-        record = procs.state.get_request(r["rid"])
-        if record is None and r["cancelled"]:
-            continue  # cancelled before the router got to it: nothing was started
-        assert record is not None, f"{r['rid']}: no record"
-        assert record["state"] in TERMINAL_STATES, f"{r['rid']}: record stuck in {record['state']}"
+        assert r.error is not None and r.error[0] == grpc.StatusCode.UNAVAILABLE, (r.rid, r.error)
+        assert "Redis" in r.error[1], r.error
+    assert all(len(r.ids) > 0 for r in hog_results), "streams already decoding stopped with Redis"
+    assert not any(left.values()), left
 
 
-def report(name, **figures):
-    print(json.dumps({"fault": name, **figures}))
-
-
-def test_kill_decode_worker_mid_stream(procs, reference):
+def test_redis_down_during_failover(procs, reference):
+    """Decode worker killed while Redis is down: the streams it held cannot be placed again and fail with
+    UNAVAILABLE (never INTERNAL); the others finish with the fault-free tokens; all resumes afterwards."""
     progress: dict[str, int] = {}
-    specs = [(p, f"kd-{i}-{time.monotonic_ns()}", {}) for i, p in enumerate(PROMPTS)]
-    threads, results = run_many(procs.router_address, specs, progress=progress)
-    deadline = time.monotonic() + 60
-    while sum(1 for n in progress.values() if n >= 5) < len(specs):
-        assert time.monotonic() < deadline, f"streams did not get going: {progress}"
-        time.sleep(0.02)
-    in_flight = sum(1 for n in progress.values() if n < MAX_TOKENS)
-    t_kill = procs.kill("decode-0")
-    for t in threads:
-        t.join(timeout=120)
-    for r, (prompt, _, _) in zip(results, specs):
-        assert r["error"] is None, f"{r['rid']}: {r['error']}"
-        assert r["finish"] == handoff_pb2.FINISH_REASON_LENGTH
-        assert r["ids"] == reference[prompt], f"{r['rid']} differs from the fault-free run"
-    assert_terminal(procs, results)
-    # The streams that were on the killed worker show a gap: detection + re-prefill + resume.
-    moved = [r for r in results if len(procs.state.get_request(r["rid"])["history"]) > 5]
-    assert moved, "no request was failed over: did the kill land?"
-    gaps = [max((b - a) for a, b in zip(r["times"], r["times"][1:]) if b > t_kill) for r in moved
-            if any(t > t_kill for t in r["times"][1:])]
-    retried_at = [next(ts for s, ts in procs.state.get_request(r["rid"])["history"][4:]
-                       if s == RequestState.PREFILLING) for r in moved]
-    detect_s = max(retried_at) - (time.time() - (time.monotonic() - t_kill))
+    threads, results = run_many(procs.router_address, SPECS, "redis-failover", progress=progress)
+    wait_streaming(progress, len(SPECS), 4)
+    t_down = time.monotonic()
+    procs.redis.stop()
+    procs.kill("decode-0")
+    join(threads)
+    procs.redis.start()
     procs.restart("decode-0")
-    procs.wait_idle()
-    report("kill -9 decode worker", in_flight=in_flight, completed=len(results), failed_over=len(moved),
-           detect_s=round(detect_s, 3), recover_max_gap_s=round(max(gaps), 3) if gaps else None, blocks_leaked=0)
-    assert detect_s < 2.0, f"the router took {detect_s:.2f} s to notice the dead decode worker"
+    recovered_s = _recover(procs, t_down)
+    left = settle_and_measure(procs)
+    unavailable = [r for r in results if r.error is not None and r.error[0] == grpc.StatusCode.UNAVAILABLE]
+    report(fault="Redis down + kill -9 decode-0", topology=TOPOLOGY, streams=len(results),
+           completed=sum(r.completed for r in results),
+           identical=sum(r.completed and r.ids == reference[r.spec.name] for r in results),
+           unavailable=len(unavailable), recovered_after_s=round(recovered_s, 3),
+           leaked_blocks=left["blocks_used"], parked_or_running=left["sequences"], leases_left=left["leases"])
+    for r in results:
+        if r.completed:
+            assert r.ids == reference[r.spec.name], r.rid
+        else:
+            assert r in unavailable, (r.rid, r.error)
+    assert unavailable, "no stream was on the killed worker"
+    assert not any(left.values()), left
 
 
-def test_kill_prefill_worker_mid_batch(procs, reference):
-    long_prompts = [p + " " + "and then it walked on " * 60 for p in PROMPTS[:8]]
-    ref = {p: run_one(procs.router_address, p, f"kpref-{i}-{time.monotonic_ns()}", max_tokens=8)["ids"]
-           for i, p in enumerate(long_prompts)}
-    specs = [(p, f"kp-{i}-{time.monotonic_ns()}", {}) for i, p in enumerate(long_prompts)]
-    threads, results = run_many(procs.router_address, specs, max_tokens=8)
-    time.sleep(0.3)
-    t_kill = procs.kill("prefill-0")
-    for t in threads:
-        t.join(timeout=120)
-    for r, (prompt, _, _) in zip(results, specs):
-        assert r["error"] is None, f"{r['rid']}: {r['error']}"
-        assert r["ids"] == ref[prompt]
-    assert_terminal(procs, results)
-    retried = [r for r in results if any(s == RequestState.PREFILLING for s, _ in
-                                         procs.state.get_request(r["rid"])["history"][2:])]
-    done_s = max(r["times"][-1] for r in results) - t_kill
-    procs.restart("prefill-0")
-    procs.wait_idle()
-    report("kill -9 prefill worker", in_flight=len(specs), completed=len(results), retried=len(retried),
-           recover_s=round(done_s, 3), blocks_leaked=0)
-
-
-def test_redis_restart(procs, reference):
+def test_redis_restart_mid_stream(procs, reference):
+    """Redis restarts empty: the leases are reserved again, the workers re-register, every stream
+    finishes with the fault-free tokens and nothing is left held."""
     progress: dict[str, int] = {}
-    specs = [(p, f"rr-{i}-{time.monotonic_ns()}", {}) for i, p in enumerate(PROMPTS[:8])]
-    threads, results = run_many(procs.router_address, specs, progress=progress, timeout=60)
-    deadline = time.monotonic() + 60
-    while sum(1 for n in progress.values() if n >= 3) < len(specs):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    threads, results = run_many(procs.router_address, SPECS, "redis-restart", progress=progress)
+    wait_streaming(progress, len(SPECS), 3)
     t_restart = time.monotonic()
     procs.redis.restart()
-    for t in threads:
-        t.join(timeout=90)
-    assert all(not t.is_alive() for t in threads), "a request hung across the Redis restart"
-    for r, (prompt, _, _) in zip(results, specs):
-        # In flight: either finished with the right tokens or failed with a clear status; none hang.
-        if r["error"] is None:
-            assert r["ids"] == reference[prompt]
-        else:
-            assert r["error"][0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), r["error"]
-    # New requests work again without restarting any process.
-    recovered_at = None
-    deadline = time.monotonic() + 20
-    while recovered_at is None:
-        r = run_one(procs.router_address, PROMPTS[0], f"rr-new-{time.monotonic_ns()}", max_tokens=4)
-        if r["error"] is None:
-            recovered_at = time.monotonic()
-        else:
-            assert time.monotonic() < deadline, f"router did not recover after the Redis restart: {r['error']}"
-            time.sleep(0.2)
-    procs.wait_idle()
-    report("redis restart", in_flight=len(specs), completed=sum(r["error"] is None for r in results),
-           failed_clearly=sum(r["error"] is not None for r in results),
-           recover_s=round(recovered_at - t_restart, 3), blocks_leaked=0)
+    join(threads)
+    recovered_s = _recover(procs, t_restart)
+    left = settle_and_measure(procs)
+    report(fault="Redis restart (data lost)", topology=TOPOLOGY, streams=len(results),
+           completed=sum(r.completed for r in results),
+           identical=sum(r.completed and r.ids == reference[r.spec.name] for r in results),
+           longest_stall_s=round(longest_stall(results, t_restart), 3), recovered_after_s=round(recovered_s, 3),
+           leaked_blocks=left["blocks_used"], parked_or_running=left["sequences"], leases_left=left["leases"])
+    for r in results:
+        assert r.completed, (r.rid, r.error)
+        assert r.ids == reference[r.spec.name], r.rid
+    assert not any(left.values()), left
 
+
+def _recover(procs, since: float, timeout_s: float = 30) -> float:
+    """Seconds from `since` until a new request succeeds, no process restarted for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = run_one(procs.router_address, replace(SPECS[0], max_tokens=2), f"recover-{time.monotonic_ns()}")
+        if r.completed:
+            return time.monotonic() - since
+        assert r.error[0] == grpc.StatusCode.UNAVAILABLE, r.error
+        assert time.monotonic() < deadline, f"service did not resume: {r.error}"
+        time.sleep(0.2)
+
+
+# --------------------------------------------------------------------------- KV nobody claims, leases
+
+def test_requests_that_end_at_their_first_token_push_no_kv(procs, reference):
+    """200 requests that end with their first token (max_tokens 1, or a stop token): the prefill
+    worker pushes nothing, so nothing is parked anywhere for a Decode call that will never come."""
+    specs = []
+    for i in range(200):
+        base = SPECS[i % len(SPECS)]
+        first = reference[base.name][0]
+        specs.append(replace(base, max_tokens=1) if i % 2 else replace(base, stop_token_ids=(first,)))
+    results = []
+    for start in range(0, len(specs), 40):
+        threads, batch = run_many(procs.router_address, specs[start:start + 40], "first-only")
+        join(threads)
+        results += batch
+    left = settle_and_measure(procs)
+    pushed = sum(any(s == RequestState.TRANSFERRING for s, _ in procs.state.get_request(r.rid)["history"])
+                 for r in results)
+    report(fault="200 requests ending at the first token", topology=TOPOLOGY, requests=len(results),
+           completed=sum(r.completed for r in results), kv_pushed=pushed, parked_or_running=left["sequences"],
+           leaked_blocks=left["blocks_used"], leases_left=left["leases"])
+    for r in results:
+        assert r.completed, (r.rid, r.error)
+        if r.spec.max_tokens == 1:
+            assert r.ids == reference[r.spec.name][:1] and r.finish == handoff_pb2.FINISH_REASON_LENGTH
+        else:
+            assert r.ids == [] and r.finish == handoff_pb2.FINISH_REASON_STOP  # the stop token is not streamed
+    assert pushed == 0
+    assert not any(left.values()), left
+
+
+def test_leases_are_held_from_reservation_to_the_end(procs):
+    """Requests queued behind long prompts on the one prefill worker wait longer than the lease TTL
+    before they decode; their leases must stay in Redis the whole time (else Redis could promise the
+    same blocks twice) and go when they end."""
+    words = "and then it walked on through the long grass while the sun went down "
+    specs = [Spec(f"greedy-{a}", f"The story of a {a} who " + words * 22, "greedy", max_tokens=4)
+             for a in ("cat", "dog", "fox", "owl", "bee")]
+    threads, results = run_many(procs.router_address, specs, "lease")
+    first_seen: dict[str, float] = {}
+    gaps: dict[str, list[float]] = {}  # rid -> times its lease was missing while it was in flight
+    decoding_at: dict[str, float] = {}
+    while any(t.is_alive() for t in threads):
+        now = time.monotonic()
+        held = {rid for n in ("decode-0", "decode-1") for rid in procs.state.reservations(n)}
+        for rid in held:
+            first_seen.setdefault(rid, now)
+        for rid, t0 in first_seen.items():
+            record = procs.state.get_request(rid)
+            if record["state"] in TERMINAL_STATES:
+                continue
+            if record["state"] == RequestState.DECODING:
+                decoding_at.setdefault(rid, now)
+            if rid not in held:
+                gaps.setdefault(rid, []).append(now - t0)
+        time.sleep(0.1)
+    join(threads)
+    left = settle_and_measure(procs)
+    longest_wait = max(decoding_at.get(rid, time.monotonic()) - t0 for rid, t0 in first_seen.items())
+    report(fault="waits longer than the lease TTL", topology=TOPOLOGY, requests=len(results),
+           completed=sum(r.completed for r in results), lease_ttl_s=LEASE_TTL_S,
+           longest_wait_before_decode_s=round(longest_wait, 3), requests_that_lost_their_lease=len(gaps),
+           leases_left=left["leases"], leaked_blocks=left["blocks_used"])
+    assert len(first_seen) == len(specs)
+    # The check means something only if some request waited longer than its lease lives.
+    assert longest_wait > LEASE_TTL_S, f"no request waited longer than the lease TTL ({longest_wait:.1f} s)"
+    assert not gaps, f"leases missing while their requests were in flight: {gaps}"
+    for r in results:
+        assert r.completed, (r.rid, r.error)
+    assert not any(left.values()), left
+
+
+# --------------------------------------------------------------------------- pushes, cancels, drain
 
 def test_kv_push_cut_halfway(procs, reference):
     name = "decode-1"
     info = procs.state.get_worker(name)
     cfg = read_model_config("smollm2")
     fp = ModelFingerprint.for_model(cfg, weights_id=weights_id_of("smollm2"), block_size=info.block_size,
-                                    dtype=torch.float32)
-    kv = torch.randn(cfg.num_layers, 2, 600, cfg.num_kv_heads, cfg.head_dim)
-    chunks = list(encode_kv(kv, request_id="cut-push", target_worker_id=name, target_epoch=info.epoch,
-                            fingerprint=fp))
+                                    dtype=torch.bfloat16)
+    kv = torch.randn(cfg.num_layers, 2, 600, cfg.num_kv_heads, cfg.head_dim).to(torch.bfloat16)
+    rid = f"cut-push-{time.monotonic_ns()}"
+    assert procs.state.reserve(name, info.epoch, rid, -(-600 // info.block_size), ttl_s=30).ok
+    chunks = list(encode_kv(kv, request_id=rid, target_worker_id=name, target_epoch=info.epoch, fingerprint=fp))
     sent = threading.Event()
 
     def half():
-        for c in chunks[:len(chunks) // 2]:
-            yield c
+        yield from chunks[:len(chunks) // 2]
         sent.set()
         time.sleep(30)  # the sender "dies" here: the test cancels the call
         yield chunks[-1]
 
-    with grpc.insecure_channel(f"127.0.0.1:{procs.procs[name].kv_port}") as ch:
+    with grpc.insecure_channel(info.kv_address) as ch:
         future = internal_pb2_grpc.KVTransferStub(ch).PushKV.future(half(), timeout=60)
         assert sent.wait(30)
         t_cut = time.monotonic()
         future.cancel()
-    procs.wait_idle()
-    freed_s = time.monotonic() - t_cut
-    r = run_one(procs.router_address, PROMPTS[0], f"cut-after-{time.monotonic_ns()}")
-    assert r["error"] is None and r["ids"] == reference[PROMPTS[0]]
-    report("KV push cut halfway", chunks_sent=len(chunks) // 2, chunks_total=len(chunks),
-           freed_within_s=round(freed_s, 3), blocks_leaked=0)
+    procs.state.release(name, rid)
+    left = settle_and_measure(procs)
+    r = run_one(procs.router_address, SPECS[0], f"cut-after-{time.monotonic_ns()}")
+    assert r.completed and r.ids == reference[SPECS[0].name]
+    report(fault="KV push cut halfway", topology=TOPOLOGY, chunks_sent=len(chunks) // 2, chunks_total=len(chunks),
+           freed_within_s=round(time.monotonic() - t_cut, 3), leaked_blocks=left["blocks_used"],
+           parked_or_running=left["sequences"])
+    assert not any(left.values()), left
 
 
 def test_two_hundred_requests_with_random_cancels(procs, reference):
     rng = random.Random(7)
-    prompts = PROMPTS[:8]
-    specs = []
+    specs, cancel_at = [], []
     for i in range(200):
-        prompt = prompts[i % len(prompts)]
-        extra = {"cancel_after_s": rng.uniform(0.0, 1.5)} if rng.random() < 0.2 else {}
-        specs.append((prompt, f"c200-{i}-{time.monotonic_ns()}", extra))
+        specs.append(replace(SPECS[i % len(SPECS)], max_tokens=12))
+        cancel_at.append(rng.uniform(0.0, 1.5) if rng.random() < 0.2 else None)
     results = []
     for start in range(0, 200, 32):  # 32 client streams at a time
-        threads, batch = run_many(procs.router_address, specs[start:start + 32], max_tokens=12)
+        batch = [None] * len(specs[start:start + 32])
+
+        def work(i, spec, when):
+            batch[i] = run_one(procs.router_address, spec, f"c200-{start + i}-{time.monotonic_ns()}",
+                               cancel_after_s=when)
+
+        threads = [threading.Thread(target=work, args=(i, s, cancel_at[start + i]))
+                   for i, s in enumerate(specs[start:start + 32])]
         for t in threads:
-            t.join(timeout=120)
+            t.start()
+        join(threads)
         results += batch
     num_cancelled = 0
-    for r, (prompt, _, extra) in zip(results, specs):
-        if r["cancelled"]:
+    for r, when in zip(results, cancel_at):
+        if r.error is not None and r.error[0] == grpc.StatusCode.CANCELLED:
             num_cancelled += 1
-            assert extra, f"{r['rid']} was cancelled without the client asking"
+            assert when is not None, f"{r.rid} was cancelled without the client asking"
         else:
-            assert r["error"] is None, f"{r['rid']}: {r['error']}"
-            assert r["ids"] == reference[prompt][:12]
-    assert_terminal(procs, results)
-    records = [procs.state.get_request(r["rid"]) for r in results]
+            assert r.completed, (r.rid, r.error)
+            assert r.ids == reference[r.spec.name][:12]
+    records = [procs.state.get_request(r.rid) for r in results]
+    for r, rec in zip(results, records):
+        assert rec is None and r.error is not None or rec["state"] in TERMINAL_STATES, (r.rid, rec)
     states = [rec["state"] if rec else "never started" for rec in records]
-    procs.wait_idle()
-    report("200 requests, 20% cancelled", requests=200, cancel_requested=sum(bool(s[2]) for s in specs),
-           cancelled=num_cancelled, finished=states.count(RequestState.FINISHED),
-           recorded_cancelled=states.count(RequestState.CANCELLED),
-           cancelled_before_start=states.count("never started"), blocks_leaked=0)
+    left = settle_and_measure(procs)
+    report(fault="200 requests, 20% cancelled", topology=TOPOLOGY, requests=200,
+           cancel_requested=sum(w is not None for w in cancel_at), cancelled=num_cancelled,
+           finished=states.count(RequestState.FINISHED), recorded_cancelled=states.count(RequestState.CANCELLED),
+           cancelled_before_start=states.count("never started"), leaked_blocks=left["blocks_used"],
+           parked_or_running=left["sequences"], leases_left=left["leases"])
+    assert not any(left.values()), left
 
 
 def test_sigterm_decode_worker_finishes_in_flight(procs, reference):
@@ -256,33 +348,31 @@ def test_sigterm_decode_worker_finishes_in_flight(procs, reference):
     import signal
 
     progress: dict[str, int] = {}
-    specs = [(p, f"term-{i}-{time.monotonic_ns()}", {}) for i, p in enumerate(PROMPTS[:8])]
-    threads, results = run_many(procs.router_address, specs, progress=progress)
-    deadline = time.monotonic() + 60
-    while sum(1 for n in progress.values() if n >= 3) < len(specs):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    threads, results = run_many(procs.router_address, SPECS[:8], "term", progress=progress)
+    wait_streaming(progress, 8, 3)
     t_term = procs.kill("decode-0", signal.SIGTERM)
     # While it drains, new requests go elsewhere and succeed.
-    extra = run_one(procs.router_address, PROMPTS[1], f"term-new-{time.monotonic_ns()}")
-    for t in threads:
-        t.join(timeout=120)
+    extra = run_one(procs.router_address, SPECS[1], f"term-new-{time.monotonic_ns()}")
+    join(threads)
     exit_code = procs.procs["decode-0"].popen.wait(timeout=40)
     exit_s = time.monotonic() - t_term
     assert exit_code == 0, procs.procs["decode-0"].log()
-    assert extra["error"] is None and extra["ids"] == reference[PROMPTS[1]]
-    assert procs.state.get_request(extra["rid"])["decode_worker"] == "decode-1"
+    assert extra.completed and extra.ids == reference[SPECS[1].name]
+    assert procs.state.get_request(extra.rid)["decode_worker"] == "decode-1"
     on_drained = 0
-    for r, (prompt, _, _) in zip(results, specs):
-        assert r["error"] is None, f"{r['rid']}: {r['error']}"
-        assert r["ids"] == reference[prompt]
-        record = procs.state.get_request(r["rid"])
+    for r in results:
+        assert r.completed, (r.rid, r.error)
+        assert r.ids == reference[r.spec.name]
+        record = procs.state.get_request(r.rid)
         if record["decode_worker"] == "decode-0":
             on_drained += 1
-            assert len(record["history"]) == 5, "a drained stream should finish where it ran, not fail over"
+            assert int(record["attempt"]) == 1, "a drained stream should finish where it ran, not fail over"
     assert on_drained, "no stream was on the drained worker"
     assert procs.state.get_worker("decode-0") is None, "the drained worker is still registered"
     procs.restart("decode-0")
-    procs.wait_idle()
-    report("SIGTERM decode worker", in_flight=len(specs), finished_on_draining_worker=on_drained,
-           exit_code=exit_code, exit_s=round(exit_s, 3))
+    left = settle_and_measure(procs)
+    report(fault="SIGTERM decode worker", topology=TOPOLOGY, in_flight=len(results),
+           finished_on_draining_worker=on_drained, exit_code=exit_code, exit_s=round(exit_s, 3),
+           leaked_blocks=left["blocks_used"], leases_left=left["leases"])
+    assert not any(left.values()), left
+    assert_terminal(procs, results)

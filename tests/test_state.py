@@ -368,3 +368,66 @@ def test_a_hung_redis_times_out_instead_of_hanging():
         finally:
             os.kill(srv.pid, signal.SIGCONT)
         assert store.ping()
+
+
+# --- what the decode worker checks, and the routers' registry -----------------------------------
+
+def test_lease_blocks_answers_only_for_a_live_lease_at_that_epoch(store):
+    store.register(decode_worker(epoch="e1"), ttl_s=30)
+    assert store.lease_blocks("d0", "e1", "r1") == 0  # never reserved
+    assert store.reserve("d0", "e1", "r1", 3, ttl_s=SHORT_TTL_S).ok
+    assert store.lease_blocks("d0", "e1", "r1") == 3
+    assert store.lease_blocks("d0", "e2", "r1") == 0  # made against another epoch
+    time.sleep(PAST_SHORT_TTL_S)
+    assert store.lease_blocks("d0", "e1", "r1") == 0  # expired
+    assert store.reserve("d0", "e1", "r2", 2, ttl_s=30).ok
+    store.release("d0", "r2")
+    assert store.lease_blocks("d0", "e1", "r2") == 0  # released
+
+
+def test_a_dead_routers_requests_are_ended_and_their_leases_released(store):
+    store.register(decode_worker(), ttl_s=30)
+    store.router_heartbeat("router-a", ttl_s=SHORT_TTL_S)
+    store.router_heartbeat("router-b", ttl_s=30)
+    for rid, router in (("a1", "router-a"), ("a2", "router-a"), ("b1", "router-b")):
+        assert store.create_request(rid, prompt_tokens=3, max_tokens=4, router_id=router)
+        assert store.reserve("d0", "e1", rid, 2, ttl_s=30).ok
+        store.transition(rid, RequestState.DECODING, decode_worker="d0")
+    store.transition("a2", RequestState.FINISHED)  # ended by its router before it died
+    store.release("d0", "a2")
+    assert store.reap_routers() == {}  # nobody's registration has lapsed yet
+    time.sleep(PAST_SHORT_TTL_S)
+    assert store.reap_routers() == {"router-a": 1}
+    a1 = store.get_request("a1")
+    assert a1["state"] == RequestState.FAILED and "router-a stopped" in a1["error"]
+    assert store.get_request("a2")["state"] == RequestState.FINISHED  # kept its own ending
+    assert store.get_request("b1")["state"] == RequestState.DECODING  # its router is alive
+    assert store.reservations("d0") == {"b1": 2}
+    assert store.reap_routers() == {}  # reaped once
+
+
+def test_a_router_that_stops_cleanly_is_not_reaped(store):
+    store.router_heartbeat("router-c", ttl_s=SHORT_TTL_S)
+    assert store.create_request("c1", prompt_tokens=1, max_tokens=1, router_id="router-c")
+    store.transition("c1", RequestState.FINISHED)
+    store.deregister_router("router-c")
+    time.sleep(PAST_SHORT_TTL_S)
+    assert store.reap_routers() == {}
+    assert store.get_request("c1")["state"] == RequestState.FINISHED
+
+
+def test_a_refused_command_is_state_unavailable_with_what_to_check(server):
+    """OOM, READONLY, NOPERM: Redis answers but refuses. The caller gets the one StateUnavailable,
+    saying what to look at, not a redis-py exception that would reach a client as INTERNAL."""
+    client, _ = connect(server.url)
+    store = StateStore(client, prefix=f"test-{uuid.uuid4().hex[:8]}:")
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1")
+    try:
+        with pytest.raises(StateUnavailable, match="refused a command .*memory limit") as err:
+            store.register(decode_worker(), ttl_s=30)
+        assert "OutOfMemoryError" in str(err.value)
+    finally:
+        client.config_set("maxmemory", "0")
+    store.register(decode_worker(), ttl_s=30)
+    client.close()

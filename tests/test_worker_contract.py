@@ -1,0 +1,264 @@
+"""The workers' side of the failure semantics, in the default dtype (bf16, packed int4 decode):
+failures charged to the worker that failed (trailers), no KV pushed that nobody will claim, work taken
+only under a lease, pushes and health with room while Decode streams fill the pool, a heartbeat that
+outlives Redis refusing commands with health that follows the registration, and clear errors for
+ports another worker already uses."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common import grpc_util
+from common.redis_server import EmbeddedRedis, connect
+from common.state import StateStore
+from common.wire import sampling_to_pb
+from common.engine.sampling import SamplingParams
+from decode_svc.worker import DecodeWorker
+from protos import internal_pb2, internal_pb2_grpc
+from router.cluster import Cluster
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = [1, 504, 3458, 282, 253, 2415, 314, 253, 12149]  # any token ids will do
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(num_prefill=1, num_decode=1, kv_memory_gib=0.02, threads=1).start()
+    yield c
+    c.stop()
+
+
+def health(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def prefill(cluster, rid: str, *, max_tokens: int = 8, output_ids=(), epoch=None, kv_address=None,
+            reserve: bool = True, attempt: int = 1):
+    """A Prefill call straight to the prefill worker (what the router sends), under a lease on decode-0."""
+    d = cluster.decode[0]
+    if reserve:
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, 4, ttl_s=30).ok
+    target = internal_pb2.KVTarget(worker_id=d.config.worker_id, kv_address=kv_address or d.kv_address,
+                                   epoch=epoch or d.epoch, reservation_id=rid, attempt=attempt)
+    request = internal_pb2.PrefillRequest(
+        request_id=rid, prompt_ids=PROMPT, output_ids=list(output_ids), target=target,
+        sampling=sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), 0))
+    ch = grpc.insecure_channel(cluster.prefill[0].address)
+    try:
+        return list(internal_pb2_grpc.PrefillWorkerStub(ch).Prefill(request, timeout=30))
+    finally:
+        ch.close()
+
+
+def wait_parked(decode: DecodeWorker, count: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while decode.engine.num_parked != count:
+        assert time.monotonic() < deadline, f"{decode.engine.num_parked} parked, expected {count}"
+        time.sleep(0.02)
+
+
+def release_all(cluster) -> None:
+    d = cluster.decode[0]
+    for rid in cluster.state.reservations(d.config.worker_id):
+        cluster.state.release(d.config.worker_id, rid)
+
+
+def test_a_first_token_that_ends_the_request_pushes_no_kv(cluster):
+    d = cluster.decode[0]
+    events = prefill(cluster, f"one-{time.monotonic_ns()}", max_tokens=1)
+    assert len(events) == 1 and events[0].first_token.finished
+    assert d.engine.num_parked == 0 and d.inbox.num_parked == 0
+    release_all(cluster)
+
+
+def test_a_push_parks_kv_in_the_pool_until_its_decode_or_the_wait_ends(cluster):
+    d = cluster.decode[0]
+    free = d.engine.pool.num_free_blocks
+    events = prefill(cluster, f"park-{time.monotonic_ns()}")
+    assert [e.WhichOneof("event") for e in events] == ["first_token", "transfer_done"]
+    assert not events[0].first_token.finished
+    wait_parked(d, 1)
+    assert d.engine.pool.num_free_blocks < free  # counted in the pool, not beside it
+    d.inbox.ttl_s, ttl = 0.0, d.inbox.ttl_s  # nobody claims it: the next sweep drops it
+    try:
+        d.inbox.sweep()
+        wait_parked(d, 0)
+    finally:
+        d.inbox.ttl_s = ttl
+    assert d.engine.pool.num_free_blocks == free
+    release_all(cluster)
+
+
+def test_a_resumed_prefill_pushes_without_sampling(cluster):
+    rid = f"resume-{time.monotonic_ns()}"
+    events = prefill(cluster, rid, output_ids=[11, 12, 13], attempt=2)
+    assert [e.WhichOneof("event") for e in events] == ["transfer_done"]
+    assert events[0].transfer_done.kv_bytes == cluster.decode[0].fingerprint().kv_bytes(len(PROMPT))  # the prompt's
+    wait_parked(cluster.decode[0], 1)
+    cluster.decode[0].inbox.cancel(f"{rid}#1")  # another attempt's key: nothing happens
+    assert cluster.decode[0].engine.num_parked == 1
+    cluster.decode[0].inbox.cancel(f"{rid}#2")  # its Decode call ended: the parked KV goes
+    wait_parked(cluster.decode[0], 0)
+    release_all(cluster)
+
+
+@pytest.mark.parametrize("fault", ["stale epoch", "no lease", "dead address"])
+def test_a_failed_push_is_charged_to_the_decode_worker(cluster, fault):
+    """The prefill worker did its part: the status it returns names the decode worker in its trailers,
+    so the router excludes the decode worker, not the prefill worker (the only one, here)."""
+    d = cluster.decode[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket closes
+    kw = {"stale epoch": dict(epoch="an-old-epoch"), "no lease": dict(reserve=False),
+          "dead address": dict(kv_address=dead)}[fault]
+    with pytest.raises(grpc.RpcError) as err:
+        prefill(cluster, f"blame-{time.monotonic_ns()}", **kw)
+    code = err.value.code()
+    assert code == (grpc.StatusCode.UNAVAILABLE if fault == "dead address" else grpc.StatusCode.FAILED_PRECONDITION)
+    role, worker_id, epoch = grpc_util.blamed(err.value)
+    assert (role, worker_id) == ("decode", d.config.worker_id)
+    assert epoch == kw.get("epoch", d.epoch)
+    assert d.engine.num_parked == 0
+    release_all(cluster)
+
+
+def test_pushes_and_health_have_room_while_decode_streams_fill_the_pool(cluster):
+    """Every block leased to a waiting Decode stream (the most the leases allow): the health check on
+    the main port and a KV push on the KV port still go through, and the push is decoded."""
+    d = cluster.decode[0]
+    n = d.engine.pool.num_blocks
+    assert d.max_rpcs() > n  # the main server admits every leased stream and then some
+    rids = [f"fill-{i}-{time.monotonic_ns()}" for i in range(n)]
+    for rid in rids:
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, 1, ttl_s=60).ok
+    sampling = sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), 0)
+    ch = grpc.insecure_channel(d.address)
+    calls = [internal_pb2_grpc.DecodeWorkerStub(ch).Decode(internal_pb2.DecodeRequest(
+        request_id=rid, epoch=d.epoch, prompt_ids=PROMPT[:4], output_ids=[7], attempt=1, sampling=sampling,
+        kv_wait_s=60), timeout=60) for rid in rids]
+    try:
+        deadline = time.monotonic() + 20
+        while d.num_inflight < n:
+            assert time.monotonic() < deadline, f"only {d.num_inflight} of {n} Decode streams running"
+            time.sleep(0.05)
+        assert health(d.address) == health_pb2.HealthCheckResponse.SERVING
+        assert health(d.address, grpc_util.LIVENESS) == health_pb2.HealthCheckResponse.SERVING
+        # One more Decode without a lease is refused at once, not queued.
+        with pytest.raises(grpc.RpcError) as err:
+            list(internal_pb2_grpc.DecodeWorkerStub(ch).Decode(internal_pb2.DecodeRequest(
+                request_id="no-lease", epoch=d.epoch, prompt_ids=PROMPT[:4], output_ids=[7], attempt=1,
+                sampling=sampling), timeout=10))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # The push for the first stream lands on the KV server and that stream decodes.
+        import torch
+        from common.kv_wire import encode_kv
+        fp = d.fingerprint()
+        kv = torch.zeros(fp.num_layers, 2, 4, fp.num_kv_heads, fp.head_dim, dtype=fp.torch_dtype)
+        with grpc.insecure_channel(d.kv_address) as kv_ch:
+            internal_pb2_grpc.KVTransferStub(kv_ch).PushKV(
+                encode_kv(kv, request_id=rids[0], target_worker_id=d.config.worker_id, target_epoch=d.epoch,
+                          fingerprint=fp, attempt=1), timeout=30)
+        tokens = [t for ev in calls[0] for t in ev.token_ids]
+        assert len(tokens) == 2  # max_tokens 3, the first one was output_ids
+    finally:
+        for call in calls:
+            call.cancel()
+        ch.close()
+        for rid in rids:
+            cluster.state.release(d.config.worker_id, rid)
+    deadline = time.monotonic() + 10
+    while d.engine.pool.num_free_blocks != d.engine.pool.num_blocks or d.num_inflight:
+        assert time.monotonic() < deadline, "blocks or streams left after the cancels"
+        time.sleep(0.05)
+
+
+def test_the_heartbeat_outlives_redis_refusing_commands_and_health_follows(cluster):
+    """Redis out of memory (any refusal: READONLY, NOPERM alike) fails the heartbeat: once the entry has
+    lapsed the worker says NOT_SERVING (routers cannot see it), stays alive for liveness, and
+    re-registers and says SERVING by itself when Redis accepts writes again."""
+    with EmbeddedRedis() as server:
+        client, _ = connect(server.url)
+        cfg = replace(cluster.worker_config, role="decode", worker_id="refused", kv_memory_gib=0.01)
+        worker = DecodeWorker(cfg, StateStore(client), model=cluster.decode[0].model,
+                              tokenizer=cluster.decode[0].tokenizer).start()
+        try:
+            assert worker.registration.registered.wait(10)
+            assert health(worker.address) == health_pb2.HealthCheckResponse.SERVING
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", "1")
+            deadline = time.monotonic() + 10
+            while health(worker.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "health stayed SERVING with the registration lapsed"
+                time.sleep(0.1)
+            assert health(worker.address, grpc_util.LIVENESS) == health_pb2.HealthCheckResponse.SERVING
+            assert worker.registration._thread.is_alive(), "the heartbeat thread died on a refused command"
+            client.config_set("maxmemory", "0")
+            deadline = time.monotonic() + 10
+            while health(worker.address) != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "health never came back once Redis accepted writes"
+                time.sleep(0.1)
+            assert StateStore(client).get_worker("refused") is not None
+        finally:
+            client.config_set("maxmemory", "0")
+            worker.stop(drain_timeout_s=1)
+            client.close()
+
+
+# --------------------------------------------------------------------------- two workers on one host
+
+def _spawn(module: str, redis_url: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    extra = ["--kv-memory-gib", "0.01"] if module == "decode_svc" else []
+    return subprocess.Popen([sys.executable, "-m", module, "--redis-url", redis_url, "--host", "127.0.0.1",
+                             "--advertise-host", "127.0.0.1", "--threads", "1", "--log-level", "WARNING",
+                             *extra, *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_decode_workers_on_one_host_with_default_side_ports():
+    """Only --port differs: the KV and metrics ports default to free ones, registered in Redis; a port
+    in use is one line naming the flag to change, not a traceback."""
+    with EmbeddedRedis() as server, socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        procs = [_spawn("decode_svc", server.url, "--port", str(p), "--worker-id", f"d{i}")
+                 for i, p in enumerate(ports)]
+        clash = _spawn("prefill_svc", server.url, "--port", str(busy.getsockname()[1]))
+        try:
+            out, _ = clash.communicate(timeout=180)
+            assert clash.returncode != 0
+            assert "--port" in out and "Traceback" not in out, out[-2000:]
+            store = StateStore(connect(server.url)[0])
+            deadline = time.monotonic() + 180
+            while len(store.list_workers("decode")) < 2:
+                for p in procs:
+                    assert p.poll() is None, p.communicate()[0][-3000:]
+                assert time.monotonic() < deadline, "the two decode workers did not both register"
+                time.sleep(0.5)
+            workers = store.list_workers("decode")
+            assert len({w.kv_address for w in workers}) == 2
+            assert all(w.metrics_port for w in workers) and len({w.metrics_port for w in workers}) == 2
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
