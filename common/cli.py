@@ -76,7 +76,9 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
              "host other services reach this worker at (a pod sets it from status.podIP); "
              "unset = this machine's hostname")
     add_flag(parser, "--worker-id", "HANDOFF_WORKER_ID", None, "registry id; unset = <hostname>-<port>")
-    add_flag(parser, "--dtype", "HANDOFF_DTYPE", "bf16", "weights and KV dtype: fp32, bf16 or fp16")
+    add_flag(parser, "--dtype", "HANDOFF_DTYPE", "auto",
+             "weights and KV dtype: auto (bf16 on CUDA and on CPUs with native bf16 matmuls, "
+             "AVX512_BF16 or AMX; else fp32), fp32, bf16 or fp16; prefill and decode pools must agree")
     add_flag(parser, "--device", "HANDOFF_DEVICE", "cpu", "torch device: cpu or cuda[:N]")
     add_flag(parser, "--threads", "HANDOFF_THREADS", 0, "torch intra-op threads; 0 = all cores", int)
     add_flag(parser, "--drain-timeout-s", "HANDOFF_DRAIN_TIMEOUT_S", 25.0,

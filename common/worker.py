@@ -40,7 +40,7 @@ class WorkerConfig:
     worker_id: str | None = None
     redis_url: str | None = None
     model: str = "smollm2"
-    dtype: str = "bf16"
+    dtype: str = "auto"
     device: str = "cpu"
     threads: int = 0
     metrics_port: int = 0
@@ -212,7 +212,7 @@ class WorkerBase:
     def _load_model(self):
         if self._model is None:
             weights = load_weights(self.config.model)
-            self._model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.config.dtype),
+            self._model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.config.dtype, self.config.device),
                                 device=self.config.device,
                                 int4=weights.int4 if self.config.int4_decode else None)
             self._model.weights_id = weights.weights_id

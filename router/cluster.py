@@ -20,7 +20,8 @@ from common import cli
 from common.engine.model import Llama
 from common.engine.models import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
-from common.engine.runner import parse_dtype
+from common.engine.hardware import auto_dtype
+from common.engine.runner import DTYPE_NAMES, parse_dtype
 from common.state import StateStore
 from common.engine.tokenizer import load_tokenizer
 from common.engine.weights import load_weights, trim_memory
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class Cluster:
     def __init__(self, *, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
-                 port: int = 0, redis_url: str | None = None, dtype: str = "bf16", device: str = "cpu",
+                 port: int = 0, redis_url: str | None = None, dtype: str = "auto", device: str = "cpu",
                  kv_memory_gib: float = 0.5, threads: int = 0, router: RouterConfig | None = None,
                  worker: WorkerConfig | None = None):
         if num_prefill < 1 or num_decode < 1:
@@ -70,7 +71,7 @@ class Cluster:
         self.state = StateStore(client)
         path = resolve_model_path(self.model_name)
         weights = load_weights(path)
-        model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.worker_config.dtype),
+        model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.worker_config.dtype, self.worker_config.device),
                       device=self.worker_config.device,
                       int4=weights.int4 if self.worker_config.int4_decode else None)
         model.weights_id = weights.weights_id
@@ -119,7 +120,8 @@ def main(argv=None) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--port", type=int, default=50051, help="the router's Generate port")
     p.add_argument("--redis-url", default=cli.env("REDIS_URL"), help="unset = an embedded Redis server")
-    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--dtype", default=cli.env("HANDOFF_DTYPE", "auto"),
+                   help="auto (bf16 where the hardware multiplies it natively, else fp32), fp32, bf16")
     p.add_argument("--kv-memory-gib", type=float, default=0.5, help="KV pool per decode worker")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = cores / workers")
     client.add_request_flags(p)
@@ -129,7 +131,9 @@ def main(argv=None) -> None:
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
                       threads=args.threads)
-    print(f"starting: {args.prefill} prefill + {args.decode} decode workers, model {args.model} ({args.dtype})",
+    dtype = DTYPE_NAMES[parse_dtype(args.dtype)]
+    why = f", {auto_dtype()[1]}" if args.dtype == "auto" else ""
+    print(f"starting: {args.prefill} prefill + {args.decode} decode workers, model {args.model} ({dtype}{why})",
           file=sys.stderr)
     cluster.start()
     print(f"handoff cluster serving Generate on {cluster.address}", file=sys.stderr)

@@ -347,10 +347,12 @@ def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, int4_decod
 
 
 # --------------------------------------------------------------------------- invariant 4 in the serving dtype
-# bf16 weights with packed int4 decode is what a worker runs by default; fp32 is the extra case.
+# What a worker runs by default: packed int4 decode over bf16 (hosts with native bf16) or fp32 (the
+# others; `--dtype auto`); dense fp32 decode is the extra case.
 
-SERVING = [dict(dtype=torch.bfloat16, int4_decode=True), dict(dtype=torch.float32)]
-SERVING_IDS = ["bf16+int4", "fp32"]
+SERVING = [dict(dtype=torch.bfloat16, int4_decode=True), dict(dtype=torch.float32, int4_decode=True),
+           dict(dtype=torch.float32)]
+SERVING_IDS = ["bf16+int4", "fp32+int4", "fp32"]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, seed=20261201, max_tokens=N, ignore_eos=True)
 
 

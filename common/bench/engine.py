@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 MODEL = "smollm2"
 CHAT_PROMPT_LEN = 107  # DESIGN.md's decode context: a 107-token chat prompt
-SECTIONS = ("bandwidth", "prefill", "decode", "memory")
+SECTIONS = ("bandwidth", "prefill", "decode", "memory", "dtypes")
 PEER = "hf-transformers"
 LLAMA_CPP_PREFILL_LENS = (128, 512)  # the prompt lengths llama.cpp prefills (the issue's; 2,048 is HF's alone)
 
@@ -138,7 +138,8 @@ def base_parser(prog: str, doc: str, sections: tuple[str, ...], *, threads: int 
                 threads_help: str = "torch intra-op threads (default 2)") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke run (< 2 min)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="auto (the default of every service): bf16 where the CPU multiplies it natively, else fp32")
     p.add_argument("--only", nargs="+", choices=sections, metavar="NAME",
                    help=f"run only these sections: {', '.join(sections)}")
     p.add_argument("--threads", type=int, default=threads, help=threads_help)
@@ -349,6 +350,42 @@ def bench_prefill(ours: Ours, hf: HF, sizes: dict[int, int], llama: LlamaCpp | N
                  best_ratio=min(t[llamacpp.NAME]) / min(t["ours"]))
 
 
+def bench_dtypes(num_blocks: int, batches: list[int], steps: int, warmup: int, rounds: int) -> None:
+    """Ours in every dtype on this machine, int4 decode on (the default): which one `auto` should pick
+    here is a measurement, not a constant. Prefill and decode alternate between the dtypes."""
+    from common.engine.hardware import auto_dtype
+    from common.engine.runner import DTYPE_NAMES
+
+    picked = DTYPE_NAMES[auto_dtype()[0]]
+    systems = {name: Ours(name, num_blocks) for name in ("fp32", "bf16")}
+    tokenizer = systems["fp32"].tokenizer
+    for n in (128, 512):
+        _, ids = chat_prompt(tokenizer, n)
+        fns = {name: partial(s.prefill_s, ids) for name, s in systems.items()}
+        for fn in fns.values():
+            warm_up(fn)
+        tok_s = {name: n / statistics.median(ts) for name, ts in interleave(fns, rounds).items()}
+        log(f"prefill {n} by dtype: " + ", ".join(f"{k} {v:.0f}" for k, v in tok_s.items()) + " tok/s")
+        for name, v in tok_s.items():
+            emit(f"prefill_tok_s_{n}_{name}", v, "tok/s (median of rounds)", dtype=name, auto_picks=picked,
+                 peer="fp32" if name != "fp32" else None, peer_value=tok_s["fp32"] if name != "fp32" else None)
+    _, prompt_ids = chat_prompt(tokenizer, CHAT_PROMPT_LEN)
+    for bsz in batches:
+        loops = {name: EngineDecode(s, prompt_ids, bsz, warmup + steps + 8) for name, s in systems.items()}
+        for loop in loops.values():
+            loop.steps(warmup)
+        times = {name: [s for r in rs for s in r]
+                 for name, rs in interleave({k: partial(loop.steps, 1) for k, loop in loops.items()}, steps).items()}
+        tok_s = {name: bsz / statistics.median(ts) for name, ts in times.items()}
+        log(f"decode {bsz} seq by dtype: " + ", ".join(f"{k} {v:.1f}" for k, v in tok_s.items()) + " tok/s")
+        for name, v in tok_s.items():
+            emit(f"decode_tok_s_{bsz}seq_{name}", v, "tok/s (Engine.step, median step, int4 decode)", dtype=name,
+                 auto_picks=picked, peer="fp32" if name != "fp32" else None,
+                 peer_value=tok_s["fp32"] if name != "fp32" else None)
+        for loop in loops.values():
+            loop.close()
+
+
 def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int,
                  bandwidth: ReadBandwidth, dtype: str, llama: LlamaCpp | None = None) -> None:
     """Per batch size: the engine, the bare runner and HF (and llama.cpp at batch 1) step in turn, one step
@@ -536,7 +573,15 @@ def main(argv: list[str] | None = None) -> None:
     batches = [1, 8] if q else [1, 8, 32]
     steps, warmup = (16, 4) if q else (64, 8)
     t_start = time.perf_counter()
-    log(f"dtype {args.dtype}, {args.threads} threads, sections {sorted(sections)}{' (quick)' if q else ''}")
+    from common.engine.hardware import auto_dtype, reported_flags
+    from common.engine.runner import DTYPE_NAMES
+
+    asked = args.dtype
+    args.dtype = DTYPE_NAMES[auto_dtype()[0]] if asked == "auto" else asked
+    log(f"dtype {args.dtype}{' (auto)' if asked == 'auto' else ''}, {args.threads} threads, "
+        f"sections {sorted(sections)}{' (quick)' if q else ''}")
+    print(json.dumps({"name": "machine", "cpu_flags": reported_flags(), "dtype": args.dtype,
+                      "dtype_asked": asked, "why": auto_dtype()[1], "threads": args.threads}), flush=True)
     emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
 
     probes = start_memory_probes(args.dtype, args.threads) if "memory" in sections else {}
@@ -564,6 +609,11 @@ def main(argv: list[str] | None = None) -> None:
         bench_prefill(ours, hf, prefill_sizes, llama)
     if "decode" in sections:
         bench_decode(ours, hf, batches, steps, warmup, bandwidth, args.dtype, llama)
+    if "dtypes" in sections:
+        del ours, hf
+        gc.collect()
+        bench_dtypes(max(2 * max(batches) * -(-(CHAT_PROMPT_LEN + steps + warmup + 16) // 16), 512 // 16 + 1),
+                     batches[:2], steps, warmup, 5 if q else 9)
     emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
 

@@ -94,6 +94,9 @@ class Int4Linear:
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:  # an fp32 model: the kernel's fast path is bf16 in, bf16 out
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
 
 
@@ -109,8 +112,9 @@ class Llama(torch.nn.Module):
         self.config = c = config
         self.dtype = dtype
         self.device = torch.device(device)
-        # The int4 kernel runs on the CPU with bf16 activations; GGUF Q4 files give exact codes.
-        self.has_int4 = bool(int4) and dtype == torch.bfloat16 and self.device.type == "cpu"
+        # The int4 kernel runs on the CPU (bf16 activations, converted from fp32 when the model is fp32);
+        # GGUF Q4 files give exact codes.
+        self.has_int4 = bool(int4) and self.device.type == "cpu"
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype).contiguous()

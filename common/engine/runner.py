@@ -1,25 +1,34 @@
 """ModelRunner: turns a batch of sequences into model inputs over the paged cache, and back into logits."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from common.engine.hardware import auto_dtype
 from common.engine.kv_cache import KVCache
 from common.engine.model import ATTN_SPAN_MULTIPLE, AttnContext, Llama
 from common.engine.weights import load_weights, trim_memory
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype name; "auto" is the one that suits the hardware (common/engine/hardware.py)."""
+    if name.lower() == "auto":
+        dtype, why = auto_dtype(device)
+        log.info("dtype auto: %s, because %s", DTYPE_NAMES[dtype], why)
+        return dtype
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise ValueError(f"dtype must be one of fp32, bf16, fp16; got {name!r}") from None
+        raise ValueError(f"dtype must be one of auto, fp32, bf16, fp16; got {name!r}") from None
 
 
 @dataclass
@@ -54,11 +63,11 @@ class ModelRunner:
                                      device=self.device)
 
     @classmethod
-    def load(cls, model_name: str | Path, *, dtype: str = "bf16", num_blocks: int,
+    def load(cls, model_name: str | Path, *, dtype: str = "auto", num_blocks: int,
              block_size: int = 16, device: str = "cpu", progress: bool = True,
              int4_decode: bool = True) -> "ModelRunner":
         weights = load_weights(model_name, progress=progress)
-        torch_dtype = parse_dtype(dtype)
+        torch_dtype = parse_dtype(dtype, device)
         model = Llama(weights.config, weights.tensors, dtype=torch_dtype, device=device,
                       int4=weights.int4 if int4_decode else None)
         model.weights_id = weights.weights_id

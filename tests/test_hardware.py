@@ -1,0 +1,40 @@
+"""`--dtype auto`: bf16 only where the hardware multiplies it natively, fp32 elsewhere; and the packed
+int4 decode path works over either."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.hardware import auto_dtype, cpu_flags
+from common.engine.runner import parse_dtype
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ({"avx2", "fma"}, torch.float32),                              # AVX2-only: bf16 emulated
+    ({"avx2", "avx512f", "avx512_vnni"}, torch.float32),           # AVX-512 without BF16 (this kind of VM)
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),          # Cooper Lake and later
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, torch.bfloat16),  # Sapphire Rapids
+])
+def test_auto_picks_bf16_only_with_native_bf16(flags, expected):
+    dtype, why = auto_dtype("cpu", frozenset(flags))
+    assert dtype == expected, why
+    assert ("natively" in why) == (expected == torch.bfloat16)
+
+
+def test_auto_on_this_machine_follows_its_flags_and_says_why(caplog):
+    native = {"avx512_bf16", "amx_bf16"} & cpu_flags()
+    with caplog.at_level("INFO", logger="common.engine.runner"):
+        dtype = parse_dtype("auto")
+    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert "dtype auto" in caplog.text
+
+
+def test_int4_decode_over_fp32_gives_the_greedy_answer_of_fp32(make_engine, chat_ids, smollm2_tokenizer):
+    """On hosts without native bf16 the default is fp32 weights with packed int4 decode (the kernel
+    converts activations to bf16): the answer must stay right."""
+    from tests.test_model_numerics import CHAT_QUESTION, _first_greedy_tokens
+    ids = chat_ids(CHAT_QUESTION)
+    fp32 = _first_greedy_tokens(make_engine, ids, 8)
+    int4 = _first_greedy_tokens(make_engine, ids, 8, dtype=torch.float32, int4_decode=True)
+    assert smollm2_tokenizer.decode(int4).startswith("The capital of France is Paris")
+    assert int4 == fp32
