@@ -20,6 +20,7 @@ from common.engine.sampling import SamplingParams
 from common.state import RequestState, StateStore
 from decode_svc.worker import DecodeWorker
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2_grpc
+from common.worker import WorkerConfig
 from router.cluster import Cluster
 
 PROMPTS = [
@@ -31,7 +32,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(num_prefill=1, num_decode=2, dtype="fp32", kv_memory_gib=0.25, threads=1).start()
+    # fp32 with dense decode: the configuration whose greedy output must equal HF's token for token.
+    # (The default configuration is proven against the engine alone in test_worker_contract.py.)
+    c = Cluster(num_prefill=1, num_decode=2, dtype="fp32", kv_memory_gib=0.25, threads=1,
+                worker=WorkerConfig(role="prefill", int4_decode=False)).start()
     yield c
     c.stop()
 
@@ -68,7 +72,7 @@ def wait_idle(cluster, timeout_s=10.0):
 
 def engine_alone_greedy(cluster, prompt_ids, max_tokens):
     runner = ModelRunner(cluster.decode[0].model, KVCache(cluster.decode[0].model.config, 64, 16,
-                                                          torch.float32))
+                                                          torch.float32), int4_decode=False)
     engine = Engine(runner, cluster.decode[0].tokenizer, EngineConfig())
     events = []
     engine.submit("solo", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 
+from common.engine.runner import parse_dtype
 from common.engine.weights import read_model_config, weights_id_of
 from common.kv_wire import ModelFingerprint, encode_kv
 from common.state import TERMINAL_STATES, RequestState
@@ -272,9 +273,9 @@ def test_kv_push_cut_halfway(procs, reference):
     name = "decode-1"
     info = procs.state.get_worker(name)
     cfg = read_model_config("smollm2")
-    fp = ModelFingerprint.for_model(cfg, weights_id=weights_id_of("smollm2"), block_size=info.block_size,
-                                    dtype=torch.bfloat16)
-    kv = torch.randn(cfg.num_layers, 2, 600, cfg.num_kv_heads, cfg.head_dim).to(torch.bfloat16)
+    dtype = parse_dtype("auto")  # what the workers resolved, on this same machine
+    fp = ModelFingerprint.for_model(cfg, weights_id=weights_id_of("smollm2"), block_size=info.block_size, dtype=dtype)
+    kv = torch.randn(cfg.num_layers, 2, 600, cfg.num_kv_heads, cfg.head_dim).to(dtype)
     rid = f"cut-push-{time.monotonic_ns()}"
     assert procs.state.reserve(name, info.epoch, rid, -(-600 // info.block_size), ttl_s=30).ok
     chunks = list(encode_kv(kv, request_id=rid, target_worker_id=name, target_epoch=info.epoch, fingerprint=fp))

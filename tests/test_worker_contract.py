@@ -262,3 +262,33 @@ def test_two_decode_workers_on_one_host_with_default_side_ports():
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_the_split_gives_the_tokens_of_the_engine_alone(cluster):
+    """Invariant 4 in the default configuration: through router, prefill worker, KV push and decode
+    worker, greedy and seeded requests give exactly what one colocated engine gives."""
+    import torch
+    from common.engine.engine import Engine, EngineConfig
+    from common.engine.kv_cache import KVCache
+    from common.engine.runner import ModelRunner
+    from protos import handoff_pb2, handoff_pb2_grpc
+
+    d = cluster.decode[0]
+    runner = ModelRunner(d.model, KVCache(d.model.config, 64, 16, d.model.dtype), int4_decode=True)
+    requests = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=1.0, top_p=0.9, seed=77)}
+    with grpc.insecure_channel(cluster.address) as ch:
+        stub = handoff_pb2_grpc.RouterStub(ch)
+        for kind, sampling in requests.items():
+            prompt = "Write one sentence about the sea."
+            msgs = list(stub.Generate(handoff_pb2.GenerateRequest(prompt=prompt, max_tokens=24, ignore_eos=True,
+                                                                  **sampling), timeout=120))
+            ids = [t for m in msgs for t in m.token_ids]
+            engine = Engine(runner, d.tokenizer, EngineConfig())
+            events = []
+            engine.submit("alone", d.tokenizer.encode(prompt),
+                          SamplingParams(max_tokens=24, ignore_eos=True, **sampling), events.append,
+                          seed=msgs[-1].seed)
+            while not events or events[-1].finish_reason is None:
+                engine.step()
+            assert ids == [t for e in events for t in e.token_ids], kind
+    assert d.model.has_int4 and d.model.dtype in (torch.float32, torch.bfloat16)
