@@ -29,7 +29,7 @@ import torch
 
 from common.engine.output import FinishReason, OutputProcessor
 from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
-from common.engine.sampling import Sampler, SamplingParams, derive_seed
+from common.engine.sampling import Sampler, SamplingParams, TokenLogprobs, derive_seed, token_logprobs
 from common.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     error: str | None = None
     kv: torch.Tensor | None = None  # prefill_only: the prompt's K/V, [layers, 2, tokens, Hkv, D]
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when params.logprobs asks
 
 
 @dataclass
@@ -298,29 +299,31 @@ class Engine:
         logits = self.runner.prefill([PrefillItem(s.seq_id, s.prompt_ids) for s in batch])
         new = [i for i, s in enumerate(batch) if not s.output_ids]
         tokens = dict(zip(new, self._sample([batch[i] for i in new], logits[new]))) if new else {}
+        logprobs = self._logprobs(batch, tokens)
         now = time.perf_counter()
         for i, seq in enumerate(batch):
             seq.num_computed = len(seq.prompt_ids)
             seq.first_token_s = seq.first_token_s or now
             if self.config.prefill_only:
-                self._prefilled(seq, tokens.get(i))
+                self._prefilled(seq, tokens.get(i), logprobs.get(i))
             else:
                 self.running.append(seq)
                 if i in tokens:
-                    self._emit(seq, tokens[i])
+                    self._emit(seq, tokens[i], logprobs.get(i))
         return True
 
-    def _prefilled(self, seq: Sequence, tok: int | None) -> None:
+    def _prefilled(self, seq: Sequence, tok: int | None, logprob: TokenLogprobs | None = None) -> None:
         """prefill_only: hand back the first token and the prompt's K/V; no K/V when that token already
         ends the request (nobody would decode it), no token when the sequence resumes."""
+        logprobs = None if logprob is None else [logprob]
         if tok is not None:
             seq.output_ids.append(tok)
             seq.output.push(tok)
             if seq.output.finish_reason is not None:
-                self._finish(seq, seq.output.finish_reason, token_ids=[tok])
+                self._finish(seq, seq.output.finish_reason, token_ids=[tok], logprobs=logprobs)
                 return
         kv = self.runner.cache.export_seq(seq.seq_id, len(seq.prompt_ids))
-        self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok])
+        self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok], logprobs=logprobs)
 
     def _too_big(self, num_tokens: int) -> str:
         return (f"a sequence of {num_tokens} tokens needs {self.pool.blocks_for(num_tokens)} KV blocks; "
@@ -358,8 +361,10 @@ class Engine:
                 sampled.append(seq)
         logits = self.runner.decode(items)
         if sampled:
-            for seq, tok in zip(sampled, self._sample(sampled, logits)):
-                self._emit(seq, tok)
+            tokens = self._sample(sampled, logits)
+            logprobs = self._logprobs(sampled, dict(enumerate(tokens)))
+            for i, (seq, tok) in enumerate(zip(sampled, tokens)):
+                self._emit(seq, tok, logprobs.get(i))
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute later: its tokens are kept; its prompt is prefilled again and its completion replayed.
@@ -375,17 +380,30 @@ class Engine:
                               [s.output_ids for s in batch])
         return tokens.tolist()
 
-    def _emit(self, seq: Sequence, tok: int) -> None:
+    def _logprobs(self, batch: list[Sequence], tokens: dict[int, int]) -> dict[int, TokenLogprobs]:
+        """Row i -> the logprobs of its sampled token tokens[i], for the rows whose request asks (row i is
+        batch[i] and row i of the runner's last hidden states). Nothing is computed when none asks."""
+        rows = [i for i in tokens if batch[i].params.logprobs is not None]
+        if not rows:
+            return {}
+        # From the model's raw logits, before temperature and penalties (what vLLM reports by default),
+        # with an exact fp32 normaliser: the sampled logits are exact for the best 64 tokens only.
+        log_probs = self.runner.model.log_probs(self.runner.last_hidden[rows])
+        found = token_logprobs(log_probs, [tokens[i] for i in rows], [batch[i].params.logprobs for i in rows])
+        return dict(zip(rows, found))
+
+    def _emit(self, seq: Sequence, tok: int, logprob: TokenLogprobs | None = None) -> None:
         seq.output_ids.append(tok)
         text = seq.output.push(tok)
+        logprobs = None if logprob is None else [logprob]
         if seq.output.finish_reason is not None:
-            self._finish(seq, seq.output.finish_reason, text=text, token_ids=[tok])
+            self._finish(seq, seq.output.finish_reason, text=text, token_ids=[tok], logprobs=logprobs)
         else:
-            seq.sink(TokenEvent(seq.seq_id, [tok], text))
+            seq.sink(TokenEvent(seq.seq_id, [tok], text, logprobs=logprobs))
 
     def _finish(self, seq: Sequence, reason: FinishReason | None, *, text: str = "",
                 token_ids: list[int] | None = None, error: str | None = None,
-                kv: torch.Tensor | None = None) -> None:
+                kv: torch.Tensor | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
         """The one way out for a sequence: frees its blocks and sends its last event."""
         self.pool.free(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
@@ -394,7 +412,7 @@ class Engine:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         try:
-            seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv))
+            seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv, logprobs=logprobs))
         except Exception:
             log.exception("sink of %s failed", seq.seq_id)
 

@@ -270,6 +270,18 @@ class Llama(torch.nn.Module):
         """
         return self._refine(self.lm_head_int8(hidden).float(), hidden)
 
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 hidden states [R, dim] → the exact fp32 log-softmax of the logits over the whole vocabulary [R, V].
+
+        For reported logprobs only, never for sampling. The logits that sampling uses are exact for the
+        REFINE_TOP best only, and the normaliser sums over every token: the int8 decode head's tail moves
+        it by ~1.5e-3 at a typical position (up to ~4e-2), a bf16 prefill head's too. So the rows that ask
+        get the full fp32 product, one row at a time (~9 ms a row on one core here; a padded block of 8
+        rows costs 4-6x that), which also keeps a row's values independent of the others.
+        """
+        return torch.cat([F.log_softmax(F.linear(row, self.lm_head_exact), dim=-1)
+                          for row in hidden.float().split(1)])
+
     def _refine(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         idx = logits.topk(self.REFINE_TOP, dim=-1).indices  # [B, K]
         # A product and a sum over the last dim, not bmm: bmm picks another kernel at batch 1 than at

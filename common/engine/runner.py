@@ -61,6 +61,10 @@ class ModelRunner:
         self.int4_decode = int4_decode
         self._offsets = torch.arange(max(model.config.max_position + ATTN_SPAN_MULTIPLE, cache.block_size),
                                      device=self.device)
+        # The fp32 final hidden states [R, dim] of the rows the last prefill() or decode() returned logits
+        # for, in the same order: the engine computes exact logprobs from them (Llama.log_probs), only
+        # for the rows whose request asks. Engine thread only, like the rest of the runner.
+        self.last_hidden: torch.Tensor | None = None
 
     @classmethod
     def load(cls, model_name: str | Path, *, dtype: str = "auto", num_blocks: int,
@@ -87,14 +91,17 @@ class ModelRunner:
         and so its tokens, depend on what else arrived with it (invariant 4). A prompt of ≥ 64
         tokens already fills the matrix units on its own.
         """
-        return torch.cat([self._prefill_one(it) for it in items])
+        rows = [self._prefill_one(it) for it in items]
+        self.last_hidden = torch.cat(rows)
+        return torch.cat([self.model.logits(row) for row in rows])
 
     def _prefill_one(self, it: PrefillItem) -> torch.Tensor:
+        """The prompt's last hidden state [1, dim] fp32."""
         n = len(it.token_ids)
         ctx = AttnContext(slot_mapping=self._tensor(self.cache.slots(self.cache.pool.block_table(it.seq_id), 0, n)),
                           prefill_lens=[n])
         hidden = self.model(self._tensor(it.token_ids), self._offsets[:n], ctx, self.cache.kv)
-        return self.model.logits(hidden[-1:])
+        return hidden[-1:]
 
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
         """One row per item (blocks already grown to hold `position`); returns logits [R, V] of the
@@ -128,7 +135,9 @@ class ModelRunner:
                             self._tensor([it.position for it in items]), ctx, self.cache.kv)
         rows = [i for i, it in enumerate(items) if it.sample]
         if not rows:
+            self.last_hidden = hidden[:0]
             return hidden.new_empty(0, self.model.config.vocab_size)
         if len(rows) != len(items):
             hidden = hidden[self._tensor(rows)]
+        self.last_hidden = hidden
         return self.model.decode_logits(hidden)

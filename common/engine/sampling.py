@@ -17,6 +17,7 @@ MAX_SEED = 2**63 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PRESENCE_PENALTY = 2.0
 MAX_ABS_FREQUENCY_PENALTY = 2.0
+MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit too)
 
 # Below this a temperature-scaled distribution is argmax in all but name, and dividing by it risks overflow.
 MIN_TEMPERATURE = 1e-5
@@ -47,6 +48,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # at most MAX_STOP_STRINGS, each 1..MAX_STOP_LEN characters
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None       # None = off; k = each token's logprob and its k most likely alternatives
 
     def __post_init__(self) -> None:
         # Callers hand over lists (JSON, protobuf repeated fields); store tuples so the params stay hashable.
@@ -85,6 +87,10 @@ class SamplingParams:
         self._validate_stop_token_ids(vocab_size)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            k = _integer("logprobs", self.logprobs)
+            if not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
 
     def _validate_stop(self) -> None:
         if not isinstance(self.stop, tuple):
@@ -295,6 +301,31 @@ def _draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inner = torch.minimum(target - before, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
     token = block * _BLOCK + torch.searchsorted(inner_cdf, inner, right=True)
     return token.squeeze(1).clamp_(max=vocab_size - 1)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model, and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+def token_logprobs(log_probs: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row of log_probs [R, V] (a log-softmax): the logprob of token_ids[r] and the ks[r] most likely.
+
+    One host transfer for the whole batch; called only for rows whose request asked for logprobs.
+    """
+    rows = torch.arange(len(token_ids), device=log_probs.device)
+    chosen = log_probs[rows, torch.tensor(token_ids, device=log_probs.device)].tolist()
+    k_max = max(ks, default=0)
+    top_ids, top_values = [[]] * len(ks), [[]] * len(ks)
+    if k_max:
+        top = log_probs.topk(k_max, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [TokenLogprobs(tok, lp, tuple(zip(ids[:k], values[:k])))
+            for tok, lp, ids, values, k in zip(token_ids, chosen, top_ids, top_values, ks)]
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
