@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from common.engine.output import FinishReason
-from common.engine.sampling import SamplingParams
+from common.engine.sampling import SamplingParams, TokenLogprobs
 from protos import handoff_pb2, internal_pb2
 
 FINISH_TO_PB = {
@@ -15,11 +15,14 @@ FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 
 def sampling_to_pb(params: SamplingParams, seed: int) -> internal_pb2.SamplingParams:
-    return internal_pb2.SamplingParams(
+    pb = internal_pb2.SamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
         repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, seed=seed, max_tokens=params.max_tokens,
         stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    if params.logprobs is not None:
+        pb.logprobs = params.logprobs
+    return pb
 
 
 def sampling_from_pb(pb: internal_pb2.SamplingParams, vocab_size: int) -> tuple[SamplingParams, int]:
@@ -28,9 +31,15 @@ def sampling_from_pb(pb: internal_pb2.SamplingParams, vocab_size: int) -> tuple[
         temperature=pb.temperature, top_k=pb.top_k, top_p=pb.top_p, min_p=pb.min_p,
         repetition_penalty=pb.repetition_penalty, presence_penalty=pb.presence_penalty,
         frequency_penalty=pb.frequency_penalty, seed=pb.seed, max_tokens=pb.max_tokens,
-        stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos)
+        stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None)
     params.validate(vocab_size)
     return params, pb.seed
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> handoff_pb2.TokenLogprob:
+    return handoff_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=[
+        handoff_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
 def check_token_ids(ids, vocab_size: int, max_len: int, name: str = "prompt_ids") -> list[int]:

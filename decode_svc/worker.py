@@ -16,7 +16,7 @@ from common.engine.planner import plan
 from common.grpc_util import ServiceError
 from common.kv_wire import KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
-from common.wire import FINISH_TO_PB, check_token_ids, sampling_from_pb
+from common.wire import FINISH_TO_PB, check_token_ids, logprobs_to_pb, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox
 from protos import internal_pb2, internal_pb2_grpc
@@ -182,12 +182,14 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
             ev = events.get()
             # Drain what else is ready so a slow reader gets tokens in fewer, larger messages.
             token_ids, finish, error = list(ev.token_ids), ev.finish_reason, ev.error
+            logprobs = list(ev.logprobs or ())
             while finish is None:
                 try:
                     more = events.get_nowait()
                 except queue.Empty:
                     break
                 token_ids += more.token_ids
+                logprobs += more.logprobs or ()
                 finish, error = more.finish_reason, more.error
             if finish == FinishReason.ERROR:
                 raise ServiceError(grpc.StatusCode.INTERNAL, f"decode of {rid} failed: {error}")
@@ -195,7 +197,8 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
                 if context.is_active():
                     raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"decode of {rid} was stopped: {error}")
                 return
-            msg = internal_pb2.DecodeEvent(token_ids=token_ids, decode_s=time.perf_counter() - t_start)
+            msg = internal_pb2.DecodeEvent(token_ids=token_ids, decode_s=time.perf_counter() - t_start,
+                                           logprobs=[logprobs_to_pb(lp) for lp in logprobs])
             if first:
                 msg.kv_wait_s = kv_wait_s
                 first = False

@@ -13,7 +13,7 @@ from common.grpc_util import ServiceError
 from common.kv_wire import encode_kv
 from common.engine.output import FinishReason
 from common.state import WorkerInfo
-from common.wire import check_token_ids, sampling_from_pb
+from common.wire import check_token_ids, logprobs_to_pb, sampling_from_pb
 from common.worker import WorkerBase
 from protos import internal_pb2, internal_pb2_grpc
 
@@ -92,8 +92,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
             # The first token goes out at once; TTFT does not wait for the KV transfer. When it ends
             # the request already (EOS, a stop, max_tokens 1), nobody will decode: no KV is pushed.
             finished = ev.finish_reason is not None
-            yield internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken(
-                token_id=ev.token_ids[0], prefill_s=prefill_s, finished=finished))
+            first = internal_pb2.FirstToken(token_id=ev.token_ids[0], prefill_s=prefill_s, finished=finished)
+            if ev.logprobs:
+                first.logprob.CopyFrom(logprobs_to_pb(ev.logprobs[0]))
+            yield internal_pb2.PrefillEvent(first_token=first)
             if finished:
                 return
         if context.is_active():

@@ -241,7 +241,8 @@ class GenerateCall:
             first = self._next(prefill_call, pw, deadline)
             if first is None or not first.HasField("first_token"):
                 raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
-            msg = self._push([first.first_token.token_id])
+            msg = self._push([first.first_token.token_id],
+                             [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
             if msg is not None:
                 yield msg
             if self.out.finish_reason is not None:
@@ -261,7 +262,7 @@ class GenerateCall:
             ev = self._next(decode_call, dw, deadline)
             if ev is None:
                 raise _AttemptFailed("decode", dw.worker_id, dw.epoch, "stream ended without a finish reason")
-            msg = self._push(list(ev.token_ids))
+            msg = self._push(list(ev.token_ids), ev.logprobs)
             if msg is not None:
                 yield msg
             if self.out.finish_reason is not None:
@@ -292,16 +293,19 @@ class GenerateCall:
             if code in _RETRYABLE:
                 raise _AttemptFailed(role, worker_id, epoch, f"{code.name}: {exc.details()}") from exc
             raise ServiceError(code, f"{role} worker {worker_id}: {exc.details()}") from exc
-    def _push(self, token_ids: list[int]) -> handoff_pb2.GenerateResponse | None:
-        """Feed tokens through the output processor; the message to stream, the last one when finished."""
-        text, new_ids = "", []
-        for tok in token_ids:
+    def _push(self, token_ids: list[int], logprobs=()) -> handoff_pb2.GenerateResponse | None:
+        """Feed tokens through the output processor; the message to stream, the last one when finished.
+        `logprobs` (TokenLogprob, one per token when the request asked) go out with the tokens kept."""
+        text, new_ids, new_logprobs = "", [], []
+        for i, tok in enumerate(token_ids):
             if self.out.finish_reason is not None:
                 break
             self.generated.append(tok)
             text += self.out.push(tok)
             if tok not in self.out.stop_ids:
                 new_ids.append(tok)
+                if i < len(logprobs):
+                    new_logprobs.append(logprobs[i])
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
@@ -311,9 +315,10 @@ class GenerateCall:
         self.t_last = now
         reason = self.out.finish_reason
         if reason is None:
-            return handoff_pb2.GenerateResponse(text=text, token_ids=new_ids, request_id=self.rid) \
-                if text or new_ids else None
+            return handoff_pb2.GenerateResponse(text=text, token_ids=new_ids, request_id=self.rid,
+                                                logprobs=new_logprobs) if text or new_ids else None
         return handoff_pb2.GenerateResponse(
             text=text, token_ids=new_ids, finish_reason=FINISH_TO_PB[reason], request_id=self.rid,
+            logprobs=new_logprobs,
             prompt_tokens=len(self.req.prompt_ids), completion_tokens=len(self.generated),
             ttft_s=self.t_first - self.t_arrival, decode_s=now - self.t_first, seed=self.req.seed)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from common.engine.config import ModelConfig
 from common.engine.sampling import MAX_SEED, SamplingParams, derive_seed
 from common.engine.tokenizer import Tokenizer, TokenizerError
+from common.wire import check_token_ids
 from protos import handoff_pb2
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -54,12 +55,16 @@ class RequestValidator:
         def opt(name, default):
             return getattr(r, name) if r.HasField(name) else default
 
+        if r.HasField("top_logprobs") and not r.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+
         params = SamplingParams(
             temperature=opt("temperature", 1.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),
             min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
             presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
             seed=r.seed if r.HasField("seed") else None, max_tokens=max_tokens, stop=tuple(r.stop),
-            stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos)
+            stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos,
+            logprobs=opt("top_logprobs", 0) if r.logprobs else None)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             if not math.isfinite(getattr(params, name)):
@@ -68,6 +73,11 @@ class RequestValidator:
         return ValidRequest(request_id, prompt_ids, params, derive_seed(params.seed))
 
     def _prompt_ids(self, r: handoff_pb2.GenerateRequest) -> list[int]:
+        if r.prompt_token_ids:
+            if r.prompt or r.messages:
+                raise ValueError("give one of prompt, messages and prompt_token_ids, not several")
+            # The context check (with the room left to generate) follows in validate().
+            return check_token_ids(r.prompt_token_ids, self.vocab_size, self.context_len, "prompt_token_ids")
         if r.prompt and r.messages:
             raise ValueError("give either prompt or messages, not both")
         if r.messages:

@@ -106,6 +106,36 @@ def test_greedy_through_cluster_equals_engine_and_hf(cluster, stub, hf_model):
     wait_idle(cluster)
 
 
+def test_logprobs_through_the_cluster_equal_hf(cluster, stub, hf_model):
+    """Generate with logprobs: the first token's (from the prefill worker) and every decode token's
+    logprob and top 5 are HF's fp32 log-softmax within 1e-4, one entry per token id; a request that
+    ends at EOS lists no entry for it; nothing comes back unasked."""
+    tok = cluster.decode[0].tokenizer
+    prompt = "The quick brown fox"
+    msgs, ids, _ = generate(stub, prompt=prompt, max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True,
+                            top_logprobs=5)
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert [lp.token_id for lp in lps] == ids and len(ids) == 8
+    prompt_ids = tok.encode(prompt)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + ids[:-1]])).logits[0, len(prompt_ids) - 1:].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    for pos, lp in enumerate(lps):
+        assert abs(lp.logprob - ref[pos, lp.token_id].item()) < 1e-4, pos
+        top = [(t.token_id, t.logprob) for t in lp.top_logprobs]
+        assert len(top) == 5 and top[0][0] == lp.token_id, "greedy takes the most likely token"
+        for token_id, value in top:
+            assert abs(value - ref[pos, token_id].item()) < 1e-4, (pos, token_id)
+        assert top[-1][1] >= ref[pos].topk(5).values[-1].item() - 1e-4, "the 5 most likely, as HF ranks them"
+    msgs, ids, _ = generate(stub, messages=[handoff_pb2.ChatMessage(role="user", content="What is 2 + 2?")],
+                            max_tokens=64, temperature=0.0, logprobs=True)
+    assert msgs[-1].finish_reason == handoff_pb2.FINISH_REASON_STOP and len(ids) < msgs[-1].completion_tokens
+    assert [lp.token_id for m in msgs for lp in m.logprobs] == ids
+    assert all(not lp.top_logprobs for m in msgs for lp in m.logprobs)
+    assert not any(m.logprobs for m in generate(stub, prompt=prompt, max_tokens=3, temperature=0.0)[0])
+    wait_idle(cluster)
+
+
 def test_twenty_concurrent_mixed_requests(cluster, stub):
     def request(i):
         kind = i % 4
@@ -178,6 +208,10 @@ def test_client_cancel_frees_kv_and_lease(cluster, stub):
     (dict(prompt="hi", request_id="bad id with spaces"), "request_id"),
     (dict(messages=[handoff_pb2.ChatMessage(role="robot", content="x")]), "role"),
     (dict(prompt="word " * 9000), "context"),
+    (dict(prompt="hi", top_logprobs=3), "top_logprobs needs logprobs"),
+    (dict(prompt="hi", logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[10**7]), "prompt_token_ids"),
 ])
 def test_bad_fields_are_invalid_argument(cluster, stub, fields, names):
     with pytest.raises(grpc.RpcError) as err:

@@ -51,20 +51,24 @@ CONTRACT = {
         "ChatMessage": ["role", "content"],
         "GenerateRequest": ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                             "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-                            "stop_token_ids", "request_id", "ignore_eos"],
+                            "stop_token_ids", "request_id", "ignore_eos", "logprobs", "top_logprobs",
+                            "prompt_token_ids"],
+        "TokenLogprob": ["token_id", "logprob", "top_logprobs"],
+        "TopLogprob": ["token_id", "logprob"],
         "GenerateResponse": ["text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
-                             "ttft_s", "decode_s", "request_id", "seed"],
+                             "ttft_s", "decode_s", "request_id", "seed", "logprobs"],
     },
     "internal": {
         "SamplingParams": ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                           "frequency_penalty", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos"],
+                           "frequency_penalty", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
+                           "logprobs"],
         "KVTarget": ["worker_id", "kv_address", "epoch", "reservation_id", "attempt"],
         "PrefillRequest": ["request_id", "prompt_ids", "sampling", "target", "output_ids"],
-        "FirstToken": ["token_id", "queue_s", "prefill_s", "finished"],
+        "FirstToken": ["token_id", "queue_s", "prefill_s", "finished", "logprob"],
         "TransferDone": ["kv_bytes", "num_chunks", "transfer_s"],
         "PrefillEvent": ["first_token", "transfer_done"],
         "DecodeRequest": ["request_id", "epoch", "prompt_ids", "sampling", "kv_wait_s", "output_ids", "attempt"],
-        "DecodeEvent": ["token_ids", "finish_reason", "kv_wait_s", "decode_s"],
+        "DecodeEvent": ["token_ids", "finish_reason", "kv_wait_s", "decode_s", "logprobs"],
         "ModelFingerprint": ["weights_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"],
         "KVHeader": ["request_id", "target_worker_id", "target_epoch", "fingerprint", "num_tokens",
                      "total_bytes", "num_chunks", "layout", "reservation_id", "attempt"],
@@ -88,7 +92,7 @@ def test_sampling_fields_distinguish_unset_from_zero():
     request = handoff_pb2.GenerateRequest.DESCRIPTOR
     optional = {f.name for f in request.fields if f.has_presence}
     assert optional == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty", "seed"}
+                        "presence_penalty", "frequency_penalty", "seed", "top_logprobs"}
     req = handoff_pb2.GenerateRequest(prompt="hi", temperature=0.0)
     assert req.HasField("temperature") and not req.HasField("top_p")
     assert internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken()).WhichOneof("event") == "first_token"
