@@ -22,6 +22,8 @@ REQUESTS = Counter("handoff_router_requests_total", "Requests by how they ended"
 ROUTER_RUNNING = Gauge("handoff_router_running_requests", "Requests being served")
 ROUTER_WAITING = Gauge("handoff_router_waiting_requests", "Requests waiting for decode capacity")
 RETRIES = Counter("handoff_router_retries_total", "Attempts re-run on another worker", ["reason"])
+HTTP_RESPONSES = Counter("handoff_router_http_responses_total", "OpenAI-compatible HTTP API answers by route and "
+                         "status (499: the client left first)", ["route", "status"])
 
 # workers
 PREFILL_QUEUE = Gauge("handoff_prefill_queue_depth", "Prompts waiting or running prefill", ["worker"])

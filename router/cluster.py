@@ -38,14 +38,15 @@ class Cluster:
     def __init__(self, *, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
                  port: int = 0, redis_url: str | None = None, dtype: str = "auto", device: str = "cpu",
                  kv_memory_gib: float = 0.5, threads: int = 0, router: RouterConfig | None = None,
-                 worker: WorkerConfig | None = None):
+                 worker: WorkerConfig | None = None, http_port: int = 0):
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
         self.model_name = model
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.redis_url = redis_url
+        # The OpenAI-compatible HTTP API is on (http_port 0: a free port; -1: off).
         self.router_config = replace(router or RouterConfig(), host="127.0.0.1", port=port, model=model,
-                                     redis_url=redis_url)
+                                     redis_url=redis_url, http_port=http_port)
         # TLS and API keys come in with `router` and `worker`; workers share one TLS config (and
         # its certificate), and several workers cannot share one health port.
         self.worker_config = replace(worker or WorkerConfig(role="prefill"), host="127.0.0.1", port=0,
@@ -60,6 +61,11 @@ class Cluster:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.router.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (an openai client's base_url), when HTTP is on."""
+        return f"http://127.0.0.1:{self.router.http_port}/v1"
 
     def start(self) -> "Cluster":
         import torch
@@ -119,6 +125,8 @@ def main(argv=None) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--port", type=int, default=50051, help="the router's Generate port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP API; 0 = a free port, -1 = off")
     p.add_argument("--redis-url", default=cli.env("REDIS_URL"), help="unset = an embedded Redis server")
     p.add_argument("--dtype", default=cli.env("HANDOFF_DTYPE", "auto"),
                    help="auto (bf16 where the hardware multiplies it natively, else fp32), fp32, bf16")
@@ -130,13 +138,14 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
-                      threads=args.threads)
+                      threads=args.threads, http_port=args.http_port)
     dtype = DTYPE_NAMES[parse_dtype(args.dtype)]
     why = f", {auto_dtype()[1]}" if args.dtype == "auto" else ""
     print(f"starting: {args.prefill} prefill + {args.decode} decode workers, model {args.model} ({dtype}{why})",
           file=sys.stderr)
     cluster.start()
-    print(f"handoff cluster serving Generate on {cluster.address}", file=sys.stderr)
+    print(f"handoff cluster serving Generate on {cluster.address}"
+          + (f", the OpenAI API at {cluster.http_url}" if args.http_port >= 0 else ""), file=sys.stderr)
     try:
         if args.prompt or args.message:
             if args.prompt and not args.message:

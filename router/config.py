@@ -29,13 +29,18 @@ class RouterConfig:
     server_threads: int = 256  # concurrent Generate streams this router can hold
     drain_timeout_s: float = 25.0  # on SIGTERM, how long in-flight streams may take to finish
     health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
+    # The OpenAI-compatible HTTP API (router/http_server.py): 0 = a free port, -1 = off. Off in the
+    # dataclass (a library default); `python -m router` serves it on 8000, router.cluster too.
+    http_port: int = -1
+    max_body_bytes: int = 4 << 20  # largest HTTP request body; more is 413 (the gRPC port's message limit)
     # TLS on the public port (client certificates only if tls.require_client_cert) and mutual
     # TLS on the channels to the workers.
     tls: TLSConfig = TLSConfig()
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty = no API key needed; never printed
 
     def __post_init__(self) -> None:
-        for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads"):
+        for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads",
+                     "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s", "drain_timeout_s"):
@@ -44,12 +49,17 @@ class RouterConfig:
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s <= self.lease_ttl_s:
             raise ValueError("heartbeat_s < heartbeat_ttl_s <= lease_ttl_s must hold (a dead router's "
                              "requests are ended within the lease TTL)")
+        if self.http_port < -1:
+            raise ValueError(f"http_port must be a port, 0 (a free one) or -1 (off), got {self.http_port}")
         self.tls.check_for_service()
 
     @classmethod
     def from_args(cls, argv: list[str] | None) -> "RouterConfig":
         p = argparse.ArgumentParser(prog="python -m router", description="handoff router: the public Generate API")
         cli.add_common_flags(p, port=50051, metrics_port=9100)
+        cli.add_flag(p, "--http-port", "HANDOFF_HTTP_PORT", 8000,
+                     "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                     "/metrics); 0 = a free one, -1 = off", int)
         cli.add_flag(p, "--queue-timeout-s", "HANDOFF_QUEUE_TIMEOUT_S", 5.0,
                      "how long a request may wait for decode capacity", float)
         cli.add_flag(p, "--max-queued", "HANDOFF_MAX_QUEUED", 128, "requests allowed to wait for capacity", int)

@@ -13,6 +13,7 @@ from common.engine.tokenizer import load_tokenizer
 from common.engine.weights import read_model_config, weights_id_of
 from protos import handoff_pb2_grpc
 from router.config import RouterConfig
+from router.http_server import HTTPServer
 from router.service import Router, RouterServicer
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,11 @@ class RouterServer:
         self.config = config
         self.state = state
         self.port = 0
+        self.http_port = 0  # the OpenAI-compatible HTTP API's, when on
+        self.http: HTTPServer | None = None
         self.health_server = None
         self._ready = threading.Event()
+        self._serving = threading.Event()  # /health on the HTTP port: ready and not stopping
         self._stop = threading.Event()
         # New at every start: a restarted router is a new one, and the old one's requests get reaped.
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"
@@ -48,6 +52,9 @@ class RouterServer:
         handoff_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.router), self.server)
         self.port = grpc_util.bind(self.server, cfg.host, cfg.port, credentials, flag="--port")
         self.server.start()
+        if cfg.http_port >= 0:
+            self.http = HTTPServer(self.router, keys, is_ready=self._serving.is_set).start()
+            self.http_port = self.http.port
         if cfg.health_port:
             self.health_server = grpc_util.serve_health(self.health, cfg.host, cfg.health_port)
         threading.Thread(target=self._become_ready, name="router-ready", daemon=True).start()
@@ -55,8 +62,9 @@ class RouterServer:
         self._heartbeat.start()
         tls = ("plaintext" if credentials is None else
                "TLS, client certificates required" if cfg.tls.require_client_cert else "TLS")
-        log.info("router listening on %s:%d (%s; %s)", cfg.host, self.port, tls,
-                 f"{len(keys)} API keys" if keys.enabled else "no API key needed")
+        log.info("router listening on %s:%d (%s; %s)%s", cfg.host, self.port, tls,
+                 f"{len(keys)} API keys" if keys.enabled else "no API key needed",
+                 f", OpenAI-compatible HTTP on :{self.http_port}" if self.http else "")
         return self
 
     def _become_ready(self) -> None:
@@ -65,6 +73,7 @@ class RouterServer:
             try:
                 self.state.ping()
                 grpc_util.set_serving(self.health, SERVICE_NAMES, True)
+                self._serving.set()
                 self._ready.set()
             except StateUnavailable as exc:
                 log.warning("waiting for Redis: %s", exc)
@@ -85,8 +94,12 @@ class RouterServer:
 
     def stop(self, grace_s: float = 25.0) -> None:
         self._ready.set()
+        self._serving.clear()
         grpc_util.set_serving(self.health, SERVICE_NAMES, False)
-        self.server.stop(grace=grace_s).wait()
+        stopped = self.server.stop(grace=grace_s)  # both ports drain at once
+        if self.http is not None:
+            self.http.stop(grace_s)
+        stopped.wait()
         self._stop.set()
         self._heartbeat.join(timeout=5)
         try:

@@ -51,6 +51,7 @@ class Router:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.router_id = router_id
+        self.weights_id = weights_id
         self.validator = RequestValidator(tokenizer, model_config, default_max_tokens=config.default_max_tokens,
                                           max_messages=config.max_messages)
         self.picker = WorkerPicker(state, weights_id, lease_ttl_s=config.lease_ttl_s,

@@ -1,0 +1,514 @@
+"""The router's OpenAI-compatible HTTP port: Starlette on uvicorn, in front of the same GenerateCall as gRPC.
+
+    POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events with "stream": true)
+    GET  /v1/models, GET /health, GET /metrics
+
+A request is parsed (router/openai_api.py), validated by the router's RequestValidator and served by one
+GenerateCall per choice, exactly as Generate serves a gRPC call: records in Redis, leases, failover,
+deadlines. The HTTP client going away cancels it like a cancelled gRPC call.
+
+Threads: uvicorn's event loop holds every connection. GenerateCall is a blocking generator over gRPC
+streams, so each generation runs on a bounded pool (one thread per generation in flight, none per idle
+connection) and hands its messages to the loop through an asyncio queue. A request that would take the
+pool past `server_threads` generations is refused at once (429), as the gRPC port refuses a call beyond
+its threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+import ssl
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import grpc
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from common import metrics, security
+from common.engine.sampling import MAX_SEED, derive_seed
+from common.grpc_util import PortInUse, ServiceError
+from protos import handoff_pb2
+from router import openai_api
+from router.openai_api import APIError, ParsedRequest, ResponseBuilder
+from router.service import GenerateCall, Router
+from router.validate import ValidRequest
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_HEADER = "x-request-timeout"  # seconds the whole request may take; the gRPC deadline's counterpart
+REQUEST_ID_HEADER = "x-request-id"  # a caller-chosen request id, as GenerateRequest.request_id
+CLIENT_GONE = 499  # (nginx's) status for the metrics when the client left before its answer
+
+
+class CallContext:
+    """What GenerateCall asks of a gRPC ServicerContext, for a request that came over HTTP: active until
+    the client goes away (end()) or the deadline passes, when the callbacks cancel its downstream calls."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline  # time.monotonic() when the request must be over; None: no deadline
+        self._ended = False
+        self._callbacks: list = []
+        self._lock = threading.Lock()
+
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        return not self._ended and not self.expired
+
+    def add_callback(self, callback) -> bool:
+        with self._lock:
+            if not self._ended:
+                self._callbacks.append(callback)
+                return True
+        return False  # as gRPC's: the call already ended
+
+    def end(self) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one callback failing must not keep the others from running
+                log.exception("cancel callback failed")
+
+
+class _Slots:
+    """Generations in flight on the pool, bounded by its size; taken by a request, given back by each
+    generation's thread as it ends."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.total:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int = 1) -> None:
+        with self._lock:
+            self.used -= n
+
+
+_END = object()  # a choice's call ended (after its last message, or without one when cancelled)
+
+
+class Generations:
+    """The GenerateCalls of one HTTP request (one per choice) on the pool. Their messages, failures and
+    ends arrive in order on one asyncio queue as (choice, GenerateResponse | Exception | _END)."""
+
+    def __init__(self, router: Router, reqs: list[ValidRequest], timeout_s: float, deadline: float,
+                 pool: ThreadPoolExecutor, slots: _Slots):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.timeout_s = timeout_s
+        self.contexts = [CallContext(deadline) for _ in reqs]
+        self.client_gone = False
+        self.num_open = len(reqs)
+        self._router, self._slots = router, slots
+        for index, (req, ctx) in enumerate(zip(reqs, self.contexts)):
+            pool.submit(self._run, index, req, ctx)
+
+    def _run(self, index: int, req: ValidRequest, ctx: CallContext) -> None:
+        """Pool thread: iterate the call as gRPC would, stop when its client is gone."""
+        end: object = _END
+        try:
+            call = GenerateCall(self._router, req, ctx).run()
+            try:
+                for msg in call:
+                    self._put(index, msg)
+                    if not ctx.is_active():
+                        break  # close() below ends the call as cancelled, as gRPC closes a dead stream's
+            finally:
+                call.close()
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the client as an error
+            end = exc
+        finally:
+            self._slots.give()
+        self._put(index, end)
+
+    def _put(self, index: int, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
+        except RuntimeError:  # the loop is closed (the server stopped): nobody is listening any more
+            pass
+
+    async def next(self) -> tuple[int, object]:
+        index, item = await self.queue.get()
+        if item is _END or isinstance(item, BaseException):
+            self.num_open -= 1
+        return index, item
+
+    def cancel(self) -> None:
+        for ctx in self.contexts:
+            ctx.end()
+
+    def lost_client(self) -> None:
+        self.client_gone = True
+        self.cancel()
+
+
+class OpenAIApp:
+    """The routes and what they share: the router, the API keys, the generation pool."""
+
+    def __init__(self, router: Router, keys: security.APIKeys, *, model_id: str, is_ready):
+        cfg = router.config
+        self.router = router
+        self.keys = keys
+        self.model_id = model_id
+        self.is_ready = is_ready  # () -> bool: /health's answer
+        self.max_body_bytes = cfg.max_body_bytes
+        self.pool = ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="http-generate")
+        self.slots = _Slots(cfg.server_threads)
+        self.created = int(time.time())
+        self.fingerprint = f"fp_{router.weights_id[:16]}"
+        self.token_text = openai_api.TokenText(router.tokenizer)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ], exception_handlers={404: self._no_route, 405: self._no_route})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- routes
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+        except APIError as exc:
+            return self._error(request, exc)
+        body = openai_api.models_list(self.model_id, self.created, self.router.model_config.max_position)
+        return self._respond(request, JSONResponse(body))
+
+    async def health(self, request: Request) -> Response:
+        ready = self.is_ready()
+        return self._respond(request, JSONResponse({"status": "ok" if ready else "not serving"},
+                                                   status_code=200 if ready else 503))
+
+    async def metrics(self, request: Request) -> Response:
+        return self._respond(request, Response(generate_latest(), media_type=CONTENT_TYPE_LATEST))
+
+    async def _no_route(self, request: Request, exc) -> Response:
+        status = getattr(exc, "status_code", 404)
+        what = "no such route" if status == 404 else f"{request.method} is not allowed here"
+        return self._error(request, APIError(status, f"{what}: {request.method} {request.url.path}"))
+
+    # ---- generation
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        try:
+            self._authenticate(request)
+            body = await self._json_body(request)
+            parsed = openai_api.parse_request(body, chat=chat, model_id=self.model_id)
+            # The whole request's deadline from its arrival, as a gRPC deadline bounds a Generate call.
+            timeout_s = min(_timeout_s(request) or math.inf, self.router.config.max_request_s)
+            deadline = time.monotonic() + timeout_s
+            response_id = request.headers.get(REQUEST_ID_HEADER) or \
+                f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            gens = await self._start(parsed, response_id, timeout_s, deadline)
+        except APIError as exc:
+            return self._error(request, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500, never a dropped connection
+            log.exception("%s %s failed", request.method, request.url.path)
+            return self._error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        builder = ResponseBuilder(parsed, response_id=response_id, created=int(time.time()), model=self.model_id,
+                                  fingerprint=self.fingerprint, token_text=self.token_text)
+        watcher = asyncio.create_task(_watch_disconnect(request, gens))
+        streaming = False
+        try:
+            if parsed.stream:
+                first = await self._first_messages(gens)
+                streaming = True  # from here the stream's own close cancels what is left
+                return self._respond(request, _EventStream(self._events(gens, builder, first), gens.cancel,
+                                                           headers={"X-Request-Id": response_id}))
+            choices = await self._all_messages(gens)
+            return self._respond(request, JSONResponse(builder.response(choices),
+                                                       headers={"X-Request-Id": response_id}))
+        except APIError as exc:
+            return self._error(request, exc)
+        finally:
+            watcher.cancel()
+            if not streaming:  # after a failure, or this task cancelled (the server stopping): stop what runs
+                gens.cancel()
+
+    async def _start(self, parsed: ParsedRequest, request_id: str, timeout_s: float,
+                     deadline: float) -> Generations:
+        """Validate (on the pool: chat templates and tokenization are CPU work) and start every choice."""
+        n = parsed.n
+        if n > 1 and len(request_id) + 1 + len(str(n - 1)) > 128:
+            raise openai_api.bad_param(None, f"{REQUEST_ID_HEADER} is too long to name {n} choices")
+        if not self.slots.take(n):
+            raise APIError(429, f"this router is serving {self.slots.total} generations already; retry shortly",
+                           headers={"Retry-After": "1"})
+        started = False
+        try:
+            pb = handoff_pb2.GenerateRequest()
+            pb.CopyFrom(parsed.request)
+            pb.request_id = request_id
+            loop = asyncio.get_running_loop()
+            try:
+                valid = await loop.run_in_executor(self.pool, self.router.validator.validate, pb)
+            except ValueError as exc:
+                raise APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            gens = Generations(self.router, _choices(valid, n, seeded=pb.HasField("seed")), timeout_s, deadline,
+                               self.pool, self.slots)
+            started = True
+            return gens
+        finally:
+            if not started:
+                self.slots.give(n)
+
+    async def _all_messages(self, gens: Generations) -> list[list[handoff_pb2.GenerateResponse]]:
+        """Every choice's messages, once all have ended; the first failure (the caller cancels the others)."""
+        choices: list[list[handoff_pb2.GenerateResponse]] = [[] for _ in gens.contexts]
+        while gens.num_open:
+            index, item = await gens.next()
+            if isinstance(item, handoff_pb2.GenerateResponse):
+                choices[index].append(item)
+            elif item is not _END or not _finished(choices[index]):
+                # The others are cancelled and end on their own, giving their threads back.
+                raise self._failure(gens, index, item)
+        return choices
+
+    async def _first_messages(self, gens: Generations) -> list[tuple[int, object]]:
+        """A stream's status comes with its headers: wait until every choice has a first message (its
+        first token) or one failed (then the answer is that failure's status, not a broken 200)."""
+        seen: list[tuple[int, object]] = []
+        started: set[int] = set()
+        while len(started) < len(gens.contexts):
+            index, item = await gens.next()
+            if isinstance(item, handoff_pb2.GenerateResponse):
+                started.add(index)
+            elif item is not _END or index not in started:
+                raise self._failure(gens, index, item)
+            seen.append((index, item))
+        return seen
+
+    async def _events(self, gens: Generations, builder: ResponseBuilder, first: list[tuple[int, object]]):
+        """The server-sent events of a stream: chunks, the usage chunk if asked, `data: [DONE]`. A failure
+        after the first token can only be told in the stream: an error event (the openai client raises it)."""
+        finals: list[handoff_pb2.GenerateResponse | None] = [None] * len(gens.contexts)
+
+        async def items():
+            for item in first:
+                yield item
+            while gens.num_open:
+                yield await gens.next()
+
+        async for index, item in items():
+            if isinstance(item, handoff_pb2.GenerateResponse):
+                if item.finish_reason:
+                    finals[index] = item
+                chunk = builder.chunk(index, item)
+                if chunk is not None:
+                    yield _sse(chunk)
+            elif item is not _END or finals[index] is None:
+                gens.cancel()
+                yield _sse(self._failure(gens, index, item).body())
+                break
+        else:
+            if builder.include_usage:
+                yield _sse(builder.usage_chunk(finals))
+        yield "data: [DONE]\n\n"
+
+    def _failure(self, gens: Generations, index: int, item: object) -> APIError:
+        """Why choice `index` ended without its answer, as an OpenAI error."""
+        ctx = gens.contexts[index]
+        if gens.client_gone:
+            return APIError(CLIENT_GONE, "the client closed the connection")
+        if ctx.expired:
+            return APIError(504, f"the request ran past its deadline of {gens.timeout_s:g} s ({TIMEOUT_HEADER}, "
+                                 f"capped by the router's max_request_s)")
+        if isinstance(item, ServiceError):
+            return APIError.from_status(item.code, item.message)
+        if isinstance(item, ValueError):
+            return APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+        if isinstance(item, BaseException):
+            log.error("HTTP generation failed", exc_info=item)
+            return APIError(500, f"internal error: {type(item).__name__}: {item}")
+        return APIError(500, "the generation ended without an answer")
+
+    # ---- plumbing
+
+    def _authenticate(self, request: Request) -> None:
+        if not self.keys.enabled:
+            return
+        token = security.bearer_token(request.headers.items())
+        if token and self.keys.check(token):
+            return
+        message = ("this API requires an API key: send the header 'Authorization: Bearer <key>'" if token is None
+                   else "the Authorization header must be 'Bearer <key>'" if token == ""
+                   else "the API key is not valid")
+        raise APIError(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+    async def _json_body(self, request: Request):
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise _too_large(self.max_body_bytes)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError(CLIENT_GONE, "the client closed the connection while sending the request") from None
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise openai_api.bad_param(None, f"the request body is not valid JSON: {exc}") from None
+
+    def _error(self, request: Request, exc: APIError) -> Response:
+        if exc.status >= 500 and exc.status != CLIENT_GONE:
+            log.warning("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
+        return self._respond(request, JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers))
+
+    def _respond(self, request: Request, response: Response) -> Response:
+        route = request.url.path if request.url.path in _ROUTES else "other"
+        metrics.HTTP_RESPONSES.labels(route, str(response.status_code)).inc()
+        return response
+
+
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+def _choices(valid: ValidRequest, n: int, *, seeded: bool) -> list[ValidRequest]:
+    """n independent generations of one validated request: seeds seed, seed + 1, ... when the caller gave
+    one (so n choices are reproducible), else one drawn for each; request ids <id>-0, <id>-1, ..."""
+    if n == 1:
+        return [valid]
+    seeds = [(valid.seed + i) % (MAX_SEED + 1) if seeded else derive_seed(None) for i in range(n)]
+    return [replace(valid, request_id=f"{valid.request_id}-{i}", seed=seed,
+                    params=replace(valid.params, seed=seed if seeded else None))
+            for i, seed in enumerate(seeds)]
+
+
+def _finished(msgs: list[handoff_pb2.GenerateResponse]) -> bool:
+    return bool(msgs) and msgs[-1].finish_reason != handoff_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def _timeout_s(request: Request) -> float | None:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise openai_api.bad_param(None, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, "
+                                         f"got {raw!r}")
+    return value
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _watch_disconnect(request: Request, gens: Generations) -> None:
+    """Cancel the generations when the client disconnects (the body is read: what comes now is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gens.lost_client()
+
+
+class _EventStream(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however it ends: finished, client gone (Starlette
+    then cancels the stream), server stopping."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close, headers: dict[str, str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class HTTPServer:
+    """uvicorn serving OpenAIApp on its own thread and event loop, started and stopped with the gRPC server."""
+
+    def __init__(self, router: Router, keys: security.APIKeys, *, is_ready):
+        self.config = cfg = router.config
+        self.api = OpenAIApp(router, keys, model_id=cfg.model, is_ready=is_ready)
+        self.port = 0
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "HTTPServer":
+        cfg = self.config
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.host, cfg.http_port))
+        except OSError:
+            sock.close()
+            raise PortInUse(f"cannot listen on {cfg.host}:{cfg.http_port}: another process uses it; choose "
+                            f"another with --http-port (0 picks a free one, -1 turns HTTP off)") from None
+        self.port = sock.getsockname()[1]
+        tls = cfg.tls
+        config = uvicorn.Config(
+            self.api.app, log_level="warning", access_log=False, http="h11", loop="asyncio", ws="none",
+            lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s,
+            ssl_certfile=tls.cert, ssl_keyfile=tls.key,
+            ssl_ca_certs=tls.ca if tls.require_client_cert else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="router-http",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on port {self.port} did not start (see the log)")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, grace_s: float) -> None:
+        """Stop taking connections; streams in flight may finish within grace_s, then they are cancelled."""
+        if self._server is not None:
+            self._server.config.timeout_graceful_shutdown = grace_s
+            self._server.should_exit = True
+            self._thread.join(timeout=grace_s + 5)
+        self.api.close()
