@@ -8,8 +8,9 @@ transformers use in the project's venv.
 The last tests (marked `cluster`) start the three services exactly as the cpu overlay's
 Deployments describe them — same command, args and environment, with ConfigMap, Secret and
 downward-API references resolved, Secret volumes mounted and `$(VAR)` expanded as the kubelet
-does — against a real local Redis, and send a Generate through the router: once as the cpu
-overlay stands, once with the TLS and API-key components (deploy/k8s/components) added.
+does — against a real local Redis, and send a Generate through the router and a completion
+through its HTTP port: once as the cpu overlay stands, once with the TLS and API-key components
+(deploy/k8s/components) added.
 
 This module holds the shared parts (rendering, lookups); tests/deploy/test_*.py hold one subject each.
 """

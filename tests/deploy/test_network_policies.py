@@ -74,7 +74,7 @@ def test_network_policies_allow_exactly_the_designed_paths(overlay):
     pods = {c: (ns, one(objs, "Deployment", c)["spec"]["template"]["metadata"]["labels"]) for c in (*POOLS, "redis")}
     ctrs = {c: container(one(objs, "Deployment", c)) for c in (*POOLS, "redis")}
     port = {(c, name): named_port(ctrs[c], name) for c in ctrs for name in
-            {"router": ("grpc", "metrics"), "prefill": ("grpc", "metrics"),
+            {"router": ("grpc", "http", "metrics"), "prefill": ("grpc", "metrics"),
              "decode": ("grpc", "kv", "metrics"), "redis": ("redis",)}[c]}
     client = ("clients", {"app": "some-client"})  # a pod in another namespace
     stranger = (ns, {"app": "stranger"})  # an unrelated pod in handoff's namespace
@@ -92,8 +92,9 @@ def test_network_policies_allow_exactly_the_designed_paths(overlay):
             return allowed(policies, src, pods[dst], port[(dst, port_name)])
         return {names[id(src)] for src in everyone if src is not pods[dst] and ok(src)}
 
-    # The router's API is open to clients outside the namespace; no handoff pod calls it.
+    # The router's APIs are open to clients outside the namespace; no handoff pod calls them.
     assert who_reaches("router", "grpc") == {"client", "prometheus"}
+    assert who_reaches("router", "http") == {"client", "prometheus"}
     # Each internal port is closed by its own ingress rules, whatever the senders' egress says.
     for ingress_only in (False, True):
         assert who_reaches("prefill", "grpc", ingress_only) == {"router"}

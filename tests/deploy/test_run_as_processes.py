@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -285,6 +287,19 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, "the router asks for an API key"
         token_ids = [t for c in chunks for t in c.token_ids]
         assert 1 <= len(token_ids) <= 8, token_ids
+        # The same through the OpenAI-compatible HTTP port: TLS with the same certificate, the same keys.
+        http_port = port_map[named_port(container(deployments["router"]), "http")]
+        context = None
+        if client_tls:
+            context = ssl.create_default_context(cafile=client_tls.ca)
+            context.check_hostname = False  # the certificate names the service, not 127.0.0.1
+        completion = urllib.request.Request(
+            f"{'https' if client_tls else 'http'}://127.0.0.1:{http_port}/v1/completions",
+            data=json.dumps({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
+        with urllib.request.urlopen(completion, timeout=60, context=context) as resp:
+            answer = json.loads(resp.read())
+        assert answer["choices"][0]["text"] == "".join(c.text for c in chunks), answer
         assert chunks[-1].finish_reason in (handoff_pb2.FINISH_REASON_STOP, handoff_pb2.FINISH_REASON_LENGTH)
         assert "".join(c.text for c in chunks).strip(), "decoded text came back"
         if client_tls:  # every serving port refuses a plaintext caller

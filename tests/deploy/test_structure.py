@@ -101,7 +101,7 @@ def test_services_run_their_module_with_every_setting(overlay):
     objs = render(overlay)
     modules = {"router": "router", "prefill": "prefill_svc", "decode": "decode_svc"}
     flags = {
-        "router": {"--host", "--port", "--redis-url", "--model", "--metrics-port"},
+        "router": {"--host", "--port", "--http-port", "--redis-url", "--model", "--metrics-port"},
         "prefill": {"--host", "--port", "--advertise-host", "--redis-url", "--model", "--dtype", "--metrics-port"},
         "decode": {"--host", "--port", "--kv-port", "--advertise-host", "--redis-url", "--model", "--dtype",
                    "--kv-memory-gib", "--metrics-port"},
@@ -157,7 +157,7 @@ def test_grpc_probes_on_the_serving_ports(overlay):
 def test_ports_agree_across_config_deployments_services_and_scrape_annotations(overlay):
     objs = render(overlay)
     config = of_kind(objs, "ConfigMap")[0]["data"]
-    expected = {"router": {"grpc": "router-port", "metrics": "router-metrics-port"},
+    expected = {"router": {"grpc": "router-port", "http": "router-http-port", "metrics": "router-metrics-port"},
                 "prefill": {"grpc": "prefill-port", "metrics": "prefill-metrics-port"},
                 "decode": {"grpc": "decode-port", "kv": "decode-kv-port", "metrics": "decode-metrics-port"}}
     for component, ports in expected.items():
@@ -176,7 +176,8 @@ def test_ports_agree_across_config_deployments_services_and_scrape_annotations(o
             target = sp.get("targetPort", sp["port"])
             assert (named_port(ctr, target) if isinstance(target, str) else target) == sp["port"], component
     router_service = one(objs, "Service", "router")
-    assert {"name": "grpc", "port": 50051} in [{k: p[k] for k in ("name", "port")} for p in router_service["spec"]["ports"]]
+    public = [{k: p[k] for k in ("name", "port")} for p in router_service["spec"]["ports"]]
+    assert {"name": "grpc", "port": 50051} in public and {"name": "http", "port": 8000} in public
     for component in WORKERS:
         assert one(objs, "Service", component)["spec"].get("clusterIP") == "None", f"{component}: headless"
 
