@@ -80,7 +80,8 @@ class ProcCluster:
         common = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis.url,
                   "--metrics-port", "0", "--log-level", "WARNING"]
         if role == "router":
-            args = ["-m", "router", *common, "--lease-ttl-s", str(LEASE_TTL_S)]
+            # HTTP on a free port: the default 8000 may be taken by another test session on this host.
+            args = ["-m", "router", *common, "--lease-ttl-s", str(LEASE_TTL_S), "--http-port", "0"]
             proc = Proc(role, name, args, port)
         else:
             args = ["-m", f"{role}_svc", *common, "--advertise-host", "127.0.0.1", "--worker-id", name,
