@@ -34,7 +34,8 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 @dataclass
 class PrefillItem:
     seq_id: str
-    token_ids: list[int]  # the tokens to run (the whole prompt)
+    token_ids: list[int]  # the tokens to run: a whole prompt, or one chunk of it
+    start: int = 0  # position of token_ids[0]; the K/V of positions before it is in the cache
 
 
 @dataclass
@@ -90,10 +91,16 @@ class ModelRunner:
         return torch.cat([self._prefill_one(it) for it in items])
 
     def _prefill_one(self, it: PrefillItem) -> torch.Tensor:
-        n = len(it.token_ids)
-        ctx = AttnContext(slot_mapping=self._tensor(self.cache.slots(self.cache.pool.block_table(it.seq_id), 0, n)),
-                          prefill_lens=[n])
-        hidden = self.model(self._tensor(it.token_ids), self._offsets[:n], ctx, self.cache.kv)
+        n, start = len(it.token_ids), it.start
+        end = start + n
+        table = self.cache.pool.block_table(it.seq_id)
+        ctx = AttnContext(slot_mapping=self._tensor(self.cache.slots(table, start, end)), prefill_lens=[n],
+                          prefill_start=start)
+        if start:
+            ctx.context_slots = self._tensor(self.cache.slots(table, 0, end))
+            # Query i (position start + i) sees keys 0 .. start + i.
+            ctx.attn_mask = self._offsets[:end][None, :] <= self._offsets[start:end][:, None]  # [n, end]
+        hidden = self.model(self._tensor(it.token_ids), self._offsets[start:end], ctx, self.cache.kv)
         return self.model.logits(hidden[-1:])
 
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
