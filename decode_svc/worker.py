@@ -14,7 +14,7 @@ from common.engine.engine import EngineConfig, TokenEvent
 from common.engine.output import FinishReason
 from common.engine.planner import plan
 from common.grpc_util import ServiceError
-from common.kv_wire import KVReceiver, KVTransferError
+from common.kv_wire import MAX_PREFIX_BLOCKS, KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
 from common.wire import FINISH_TO_PB, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
@@ -224,7 +224,8 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
             metrics.KV_FAILURES.labels(wid, exc.code).inc()
             raise ServiceError(_KV_ERROR_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc)) from exc
         rid = receiver.request_id
-        key = seq_key(rid, receiver.header.attempt)
+        header = receiver.header
+        key = seq_key(rid, header.attempt)
         kv_bytes = kv.numel() * kv.element_size()
         metrics.KV_BYTES.labels(wid, "in").inc(kv_bytes)
         metrics.KV_SECONDS.labels(wid).observe(time.perf_counter() - t0)
@@ -233,15 +234,25 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
         if not w.inbox.accepting(key):
             raise cancelled
         # Into the paged pool now, counted like a running sequence's blocks (the lease made room).
-        refused = w.engine.park(key, kv).result(timeout=w.config.kv_wait_s)
+        refused = w.engine.park(key, kv, list(header.prefix_hashes)).result(timeout=w.config.kv_wait_s)
         del kv
         if refused is not None:
-            metrics.KV_FAILURES.labels(wid, "no_room").inc()
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV of {rid} refused: {refused}")
+            metrics.KV_FAILURES.labels(wid, refused.code).inc()
+            # A prefix evicted since CachedPrefix answered: the sender pushes it all again.
+            code = grpc.StatusCode.ABORTED if refused.code == "evicted" else grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise ServiceError(code, f"KV of {rid} refused: {refused}")
         if not w.inbox.arrived(key):
             w.engine.cancel(key)
             raise cancelled
         return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)
 
     def _admit(self, header: internal_pb2.KVHeader) -> None:
-        self.w.check_lease(header.request_id, header.num_tokens)
+        prefix_tokens = len(header.prefix_hashes) * self.w.engine.pool.block_size
+        self.w.check_lease(header.request_id, prefix_tokens + header.num_tokens)
+
+    def CachedPrefix(self, request: internal_pb2.CachedPrefixRequest, context) -> internal_pb2.CachedPrefixReply:
+        if len(request.block_hashes) > MAX_PREFIX_BLOCKS:
+            raise ValueError(f"block_hashes holds {len(request.block_hashes)} hashes, at most {MAX_PREFIX_BLOCKS}")
+        # Read from the engine's pool outside its thread: an answer, not a promise (the push checks again).
+        num_blocks = len(self.w.engine.pool.match_prefix(list(request.block_hashes)))
+        return internal_pb2.CachedPrefixReply(num_blocks=num_blocks)

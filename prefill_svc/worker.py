@@ -93,41 +93,69 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
             # the request already (EOS, a stop, max_tokens 1), nobody will decode: no KV is pushed.
             finished = ev.finish_reason is not None
             yield internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken(
-                token_id=ev.token_ids[0], prefill_s=prefill_s, finished=finished))
+                token_id=ev.token_ids[0], prefill_s=prefill_s, finished=finished, cached_tokens=ev.cached_tokens))
             if finished:
                 return
         if context.is_active():
-            yield internal_pb2.PrefillEvent(transfer_done=self._push(rid, ev.kv, target, context))
+            yield internal_pb2.PrefillEvent(transfer_done=self._push(rid, ev, target, context))
 
-    def _push(self, rid: str, kv, target, context) -> internal_pb2.TransferDone:
-        w = self.w
-        wid = w.config.worker_id
+    def _push(self, rid: str, ev: TokenEvent, target, context) -> internal_pb2.TransferDone:
+        """Push the prompt's K/V, less the leading blocks the decode worker's prefix cache holds."""
         t0 = time.perf_counter()
-        chunks = encode_kv(kv.contiguous(), request_id=rid, target_worker_id=target.worker_id,
-                           target_epoch=target.epoch, fingerprint=w.fingerprint(),
-                           reservation_id=target.reservation_id, attempt=target.attempt)
-        try:
-            with w.kv_channels.use(target.kv_address) as ch:
-                push = internal_pb2_grpc.KVTransferStub(ch).PushKV.future(chunks, timeout=context.time_remaining())
-                # The Prefill call ending (request cancelled, router gone) ends the push too.
-                context.add_callback(push.cancel)
-                reply = push.result()
-        except grpc.FutureCancelledError:
-            raise ServiceError(grpc.StatusCode.CANCELLED, f"KV push of {rid} cancelled with its request") from None
-        except grpc.RpcError as exc:
-            code = exc.code()
-            metrics.KV_FAILURES.labels(wid, code.name.lower()).inc()
-            message = (f"KV push of {rid} to decode worker {target.worker_id} ({target.kv_address}) failed: "
-                       f"{code.name}: {exc.details()}")
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
-                raise ServiceError(grpc.StatusCode.INTERNAL, message) from exc  # what this worker sent was bad
-            if code == grpc.StatusCode.DATA_LOSS:  # damaged in transit: neither worker is to blame
-                raise ServiceError(code, message, grpc_util.blame("link", target.worker_id, target.epoch)) from exc
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                code = grpc.StatusCode.UNAVAILABLE
-            raise ServiceError(code, message, grpc_util.blame("decode", target.worker_id, target.epoch)) from exc
+        bs = self.w.config.block_size
+        with self.w.kv_channels.use(target.kv_address) as ch:
+            stub = internal_pb2_grpc.KVTransferStub(ch)
+            # The last token's block always travels: a push carries at least one token.
+            hashes = (ev.block_hashes or [])[:(ev.kv.shape[2] - 1) // bs]
+            skip = self._cached_prefix(stub, rid, hashes, target, context) if hashes else 0
+            try:
+                reply = self._send(stub, rid, ev.kv[:, :, skip * bs:], hashes[:skip], target, context)
+            except grpc.RpcError as exc:
+                if not skip or exc.code() != grpc.StatusCode.ABORTED:
+                    raise self._push_failed(rid, target, exc) from exc
+                skip = 0  # the prefix was evicted meanwhile: all of it, then
+                try:
+                    reply = self._send(stub, rid, ev.kv, [], target, context)
+                except grpc.RpcError as exc:
+                    raise self._push_failed(rid, target, exc) from exc
         transfer_s = time.perf_counter() - t0
+        wid = self.w.config.worker_id
         metrics.KV_BYTES.labels(wid, "out").inc(reply.kv_bytes)
         metrics.KV_SECONDS.labels(wid).observe(transfer_s)
         num_chunks = -(-reply.kv_bytes // (1 << 20))
-        return internal_pb2.TransferDone(kv_bytes=reply.kv_bytes, num_chunks=num_chunks, transfer_s=transfer_s)
+        return internal_pb2.TransferDone(kv_bytes=reply.kv_bytes, num_chunks=num_chunks, transfer_s=transfer_s,
+                                         skipped_tokens=skip * bs)
+
+    def _cached_prefix(self, stub, rid: str, hashes: list[bytes], target, context) -> int:
+        try:
+            reply = stub.CachedPrefix(internal_pb2.CachedPrefixRequest(block_hashes=hashes),
+                                      timeout=min(2.0, context.time_remaining() or 2.0))
+        except grpc.RpcError as exc:
+            raise self._push_failed(rid, target, exc) from exc
+        return min(reply.num_blocks, len(hashes))
+
+    def _send(self, stub, rid: str, kv, prefix_hashes: list[bytes], target, context) -> internal_pb2.PushKVReply:
+        chunks = encode_kv(kv.contiguous(), request_id=rid, target_worker_id=target.worker_id,
+                           target_epoch=target.epoch, fingerprint=self.w.fingerprint(),
+                           reservation_id=target.reservation_id, attempt=target.attempt, prefix_hashes=prefix_hashes)
+        push = stub.PushKV.future(chunks, timeout=context.time_remaining())
+        # The Prefill call ending (request cancelled, router gone) ends the push too.
+        context.add_callback(push.cancel)
+        try:
+            return push.result()
+        except grpc.FutureCancelledError:
+            raise ServiceError(grpc.StatusCode.CANCELLED, f"KV push of {rid} cancelled with its request") from None
+
+    def _push_failed(self, rid: str, target, exc: grpc.RpcError) -> ServiceError:
+        """The status a failed push ends the Prefill call with, charged to whoever failed."""
+        code = exc.code()
+        metrics.KV_FAILURES.labels(self.w.config.worker_id, code.name.lower()).inc()
+        message = (f"KV push of {rid} to decode worker {target.worker_id} ({target.kv_address}) failed: "
+                   f"{code.name}: {exc.details()}")
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+            return ServiceError(grpc.StatusCode.INTERNAL, message)  # what this worker sent was bad
+        if code == grpc.StatusCode.DATA_LOSS:  # damaged in transit: neither worker is to blame
+            return ServiceError(code, message, grpc_util.blame("link", target.worker_id, target.epoch))
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            code = grpc.StatusCode.UNAVAILABLE
+        return ServiceError(code, message, grpc_util.blame("decode", target.worker_id, target.epoch))

@@ -237,16 +237,18 @@ class GenerateCall:
                 target=internal_pb2.KVTarget(worker_id=dw.worker_id, kv_address=dw.kv_address, epoch=dw.epoch,
                                              reservation_id=self.rid, attempt=attempt)),
             timeout=self._timeout(deadline)))
+        prefill_fields = {}
         if not resumed:
             first = self._next(prefill_call, pw, deadline)
             if first is None or not first.HasField("first_token"):
                 raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
+            prefill_fields["cached_tokens"] = first.first_token.cached_tokens
             msg = self._push([first.first_token.token_id])
             if msg is not None:
                 yield msg
             if self.out.finish_reason is not None:
                 return self.out.finish_reason
-        self._record(RequestState.TRANSFERRING)
+        self._record(RequestState.TRANSFERRING, **prefill_fields)
         decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
             internal_pb2.DecodeRequest(
                 request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
@@ -256,7 +258,8 @@ class GenerateCall:
         if done is None or not done.HasField("transfer_done"):
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
         self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
-                     transfer_s=round(done.transfer_done.transfer_s, 6))
+                     transfer_s=round(done.transfer_done.transfer_s, 6),
+                     skipped_tokens=done.transfer_done.skipped_tokens)
         while True:
             ev = self._next(decode_call, dw, deadline)
             if ev is None:

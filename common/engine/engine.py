@@ -47,6 +47,18 @@ class TokenEvent:
     error: str | None = None
     kv: torch.Tensor | None = None  # prefill_only: the prompt's K/V, [layers, 2, tokens, Hkv, D]
     block_hashes: list[bytes] | None = None  # prefill_only: prefix hashes of the prompt's full-chunk blocks
+    cached_tokens: int = 0  # prefill_only: prompt tokens whose K/V the prefix cache held
+
+
+@dataclass(frozen=True)
+class ParkRefused:
+    """Why park() did not place K/V: code is one of duplicate, evicted, too_big, no_room, stopped."""
+
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass
@@ -63,6 +75,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V is in the cache
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full-chunk blocks
     num_registered: int = 0  # of those, blocks already named in the pool (their chunk is computed)
+    num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
 
@@ -143,7 +156,7 @@ class Engine:
         self._wake.set()
 
     def park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes] = ()
-             ) -> "concurrent.futures.Future[str | None]":
+             ) -> "concurrent.futures.Future[ParkRefused | None]":
         """Place a prompt's K/V ([layers, 2, tokens, Hkv, D]) in the pool under seq_id, for a later
         submit(parked=True); with prefix_hashes, kv holds only the tokens after those blocks, which
         must be in this pool's prefix cache. The future gives None once placed, or why it was refused
@@ -194,7 +207,7 @@ class Engine:
             except queue.Empty:
                 break
             if kind == "park":
-                arg[-1].set_result("the engine stopped (the worker is shutting down)")
+                arg[-1].set_result(ParkRefused("stopped", "the engine stopped (the worker is shutting down)"))
             elif kind == "submit":
                 arg.sink(TokenEvent(arg.seq_id, [], "", FinishReason.CANCELLED, error="engine stopped"))
 
@@ -264,15 +277,16 @@ class Engine:
         start = len(prefix_hashes) * self.pool.block_size
         num_tokens = start + kv.shape[2]
         if seq_id in self._seqs or seq_id in self._parked:
-            done.set_result(f"K/V for {seq_id!r} is already in this worker's pool")
+            done.set_result(ParkRefused("duplicate", f"K/V for {seq_id!r} is already in this worker's pool"))
         elif len(prefix) != len(prefix_hashes):
-            done.set_result(f"the cached prefix of {len(prefix_hashes)} blocks the push builds on is no longer "
-                            f"in this worker's pool (evicted): push the whole prompt")
+            done.set_result(ParkRefused("evicted", f"the cached prefix of {len(prefix_hashes)} blocks the push "
+                                                   f"builds on is no longer in this worker's pool: push it all"))
         elif self.pool.blocks_for(num_tokens) > self.pool.num_blocks:
-            done.set_result(self._too_big(num_tokens))
+            done.set_result(ParkRefused("too_big", self._too_big(num_tokens)))
         elif not self.pool.can_allocate(num_tokens, prefix):
-            done.set_result(f"the KV pool has {self.pool.num_free_blocks} free blocks, the K/V of "
-                            f"{num_tokens} tokens needs {self.pool.blocks_for(num_tokens) - len(prefix)} more")
+            done.set_result(ParkRefused("no_room", f"the KV pool has {self.pool.num_free_blocks} free blocks, the "
+                                                   f"K/V of {num_tokens} tokens needs "
+                                                   f"{self.pool.blocks_for(num_tokens) - len(prefix)} more"))
         else:
             self.pool.allocate(seq_id, num_tokens, prefix)
             self.runner.cache.import_seq(seq_id, kv, start)
@@ -319,7 +333,7 @@ class Engine:
                 break
             self.waiting.popleft()
             self.pool.allocate(seq.seq_id, n, prefix)
-            seq.num_computed = len(prefix) * self.pool.block_size
+            seq.num_computed = seq.num_cached = len(prefix) * self.pool.block_size
             seq.num_registered = len(prefix)
             self.num_prompt_tokens += len(seq.prompt_ids)
             self.num_cached_tokens += seq.num_computed
@@ -396,7 +410,8 @@ class Engine:
                 self._finish(seq, seq.output.finish_reason, token_ids=[tok])
                 return
         kv = self.runner.cache.export_seq(seq.seq_id, len(seq.prompt_ids))
-        self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok], block_hashes=seq.block_hashes)
+        self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok], block_hashes=seq.block_hashes,
+                     cached_tokens=seq.num_cached)
 
     def _too_big(self, num_tokens: int) -> str:
         return (f"a sequence of {num_tokens} tokens needs {self.pool.blocks_for(num_tokens)} KV blocks; "
@@ -461,7 +476,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason | None, *, text: str = "",
                 token_ids: list[int] | None = None, error: str | None = None,
-                kv: torch.Tensor | None = None, block_hashes: list[bytes] | None = None) -> None:
+                kv: torch.Tensor | None = None, block_hashes: list[bytes] | None = None,
+                cached_tokens: int = 0) -> None:
         """The one way out for a sequence: frees its blocks and sends its last event."""
         self.pool.free(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
@@ -471,7 +487,7 @@ class Engine:
                 break
         try:
             seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv,
-                                block_hashes=block_hashes))
+                                block_hashes=block_hashes, cached_tokens=cached_tokens))
         except Exception:
             log.exception("sink of %s failed", seq.seq_id)
 
