@@ -57,7 +57,9 @@ class DecodeWorker(WorkerBase):
         return max(1, p.num_blocks)
 
     def _engine_config(self) -> EngineConfig:
-        return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running)
+        return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running,
+                            prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                            prefix_caching=self.config.prefix_caching)
 
     def max_rpcs(self) -> int:
         # Every Decode stream and every push holds a lease of at least one block, so the pool bounds
@@ -99,7 +101,7 @@ class DecodeWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=len(self.engine.running),
                           num_waiting=num_waiting, started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port)
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
 
     def max_kv_bytes(self) -> int:
         # The largest push a Decode could use: a prompt that fits the context and, with the token

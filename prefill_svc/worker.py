@@ -34,8 +34,9 @@ class PrefillWorker(WorkerBase):
         return -(-self.config.prefill_kv_tokens // self.config.block_size)
 
     def _engine_config(self) -> EngineConfig:
-        return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens,
-                            max_running=self.config.max_running, prefill_only=True)
+        return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running,
+                            prefill_only=True, prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                            prefix_caching=self.config.prefix_caching)
 
     def _add_services(self, server) -> None:
         internal_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server)
@@ -48,7 +49,7 @@ class PrefillWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=self.num_inflight,
                           num_waiting=len(self.engine.waiting), started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port)
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         super().stop(drain_timeout_s)
@@ -88,6 +89,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
                                else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
         prefill_s = time.perf_counter() - t0
         metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
+        metrics.PREFIX_TOKENS.labels(w.config.worker_id, "prompt").inc(len(ids))
+        metrics.PREFIX_TOKENS.labels(w.config.worker_id, "cached").inc(ev.cached_tokens)
         if ev.token_ids:
             # The first token goes out at once; TTFT does not wait for the KV transfer. When it ends
             # the request already (EOS, a stop, max_tokens 1), nobody will decode: no KV is pushed.

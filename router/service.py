@@ -54,7 +54,8 @@ class Router:
         self.validator = RequestValidator(tokenizer, model_config, default_max_tokens=config.default_max_tokens,
                                           max_messages=config.max_messages)
         self.picker = WorkerPicker(state, weights_id, lease_ttl_s=config.lease_ttl_s,
-                                   queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued)
+                                   queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued,
+                                   routing=config.routing, cache_balance=config.cache_balance)
         self.leases = LeaseKeeper(state, config.lease_ttl_s)
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
         self.channels = grpc_util.ChannelCache(credentials=security.channel_credentials(config.tls),
@@ -214,7 +215,7 @@ class GenerateCall:
             r.leases.hold(self.rid, lease.worker.worker_id, lease.worker.epoch, lease.num_blocks,
                           self._on_lease_lost)
         dw = self.lease.worker
-        pw = r.picker.pick_prefill(deadline, exclude)
+        pw, _ = r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
         try:
             with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
                 return (yield from self._relay(attempt, pw, dw, prefill_ch, decode_ch, deadline))

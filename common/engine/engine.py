@@ -121,6 +121,7 @@ class Engine:
         # by submit(parked=True); engine-thread only. Counted in the pool like any sequence's.
         self._parked: dict[str, tuple[int, float, list[bytes]]] = {}  # + the cached prefix it builds on
         self.prefilling: list[Sequence] = []  # admitted, blocks allocated, prompt chunks still to run
+        self._chunk_ends: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # newest last
         self.hasher = PrefixHasher(weights_id=getattr(runner.model, "weights_id", ""),
                                    dtype=str(runner.model.dtype), block_size=self.pool.block_size,
                                    chunk_tokens=config.prefill_chunk_tokens)
@@ -396,9 +397,21 @@ class Engine:
         full = min(seq.num_computed // self.hasher.chunk_tokens * self.hasher.chunk_tokens // self.pool.block_size,
                    len(seq.block_hashes))
         table = self.pool.block_table(seq.seq_id)
+        per_chunk = self.hasher.chunk_tokens // self.pool.block_size
         for i in range(seq.num_registered, full):
             self.pool.register(table[i], seq.block_hashes[i])
+            if (i + 1) % per_chunk == 0:
+                self._chunk_ends.pop(seq.block_hashes[i], None)
+                self._chunk_ends[seq.block_hashes[i]] = None
         seq.num_registered = max(seq.num_registered, full)
+        if len(self._chunk_ends) > 2 * self.pool.num_blocks // per_chunk + 64:  # forget evicted ones
+            self._chunk_ends = collections.OrderedDict.fromkeys(h for h in self._chunk_ends
+                                                                if self.pool.holds_hash(h))
+
+    def cached_chunk_hashes(self, limit: int = 2048) -> list[bytes]:
+        """The newest whole-chunk prefixes the pool still holds (what cache-aware routing looks for).
+        Safe from other threads: it copies what only the engine thread changes."""
+        return [h for h in list(self._chunk_ends)[-limit:] if self.pool.holds_hash(h)]
 
     def _prefilled(self, seq: Sequence, tok: int | None) -> None:
         """prefill_only: hand back the first token and the prompt's K/V; no K/V when that token already

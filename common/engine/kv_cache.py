@@ -56,6 +56,9 @@ class BlockPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def holds_hash(self, block_hash: bytes) -> bool:
+        return block_hash in self._block_of
+
     def match_prefix(self, hashes: list[bytes]) -> list[int]:
         """The blocks holding the longest leading run of `hashes` (chained: each names its whole prefix)."""
         blocks = []

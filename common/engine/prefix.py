@@ -24,6 +24,20 @@ class PrefixHasher:
         self.seed = hashlib.blake2b(f"{weights_id}|{dtype}|{block_size}|{chunk_tokens}".encode(),
                                     digest_size=HASH_BYTES).digest()
 
+    @classmethod
+    def from_seed(cls, seed: bytes, *, block_size: int, chunk_tokens: int) -> "PrefixHasher":
+        """The hasher a worker publishes (WorkerInfo.prefix_seed), for a router that has no weights."""
+        hasher = cls(weights_id="", dtype="", block_size=block_size, chunk_tokens=chunk_tokens)
+        hasher.seed = seed
+        return hasher
+
+    def chunk_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The hash naming each whole chunk prefix of a prompt that a cache could hold for it (the
+        hash of the chunk's last block), for the chunks before its last token."""
+        per_chunk = self.chunk_tokens // self.block_size
+        blocks = self.block_hashes(token_ids, self.reusable_blocks(len(token_ids)))
+        return blocks[per_chunk - 1::per_chunk]
+
     def block_hashes(self, token_ids: list[int], num_blocks: int | None = None) -> list[bytes]:
         """Chained hashes of the first num_blocks full blocks (default: every full block)."""
         bs = self.block_size
