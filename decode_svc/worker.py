@@ -16,7 +16,7 @@ from common.engine.planner import plan
 from common.grpc_util import ServiceError
 from common.kv_wire import KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
-from common.wire import FINISH_TO_PB, check_token_ids, sampling_from_pb
+from common.wire import FINISH_TO_PB, check_request_id, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox
 from protos import internal_pb2, internal_pb2_grpc
@@ -139,7 +139,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
 
     def _decode(self, request, context):
         w = self.w
-        rid = request.request_id
+        rid = check_request_id(request.request_id)
         key = seq_key(rid, request.attempt)
         if request.epoch != w.epoch:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,

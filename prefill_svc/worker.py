@@ -13,7 +13,7 @@ from common.grpc_util import ServiceError
 from common.kv_wire import encode_kv
 from common.engine.output import FinishReason
 from common.state import WorkerInfo
-from common.wire import check_token_ids, sampling_from_pb
+from common.wire import check_request_id, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from protos import internal_pb2, internal_pb2_grpc
 
@@ -66,7 +66,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
 
     def _prefill(self, request, key: str, context):
         w = self.w
-        rid = request.request_id
+        rid = check_request_id(request.request_id)
         cfg = w.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
         ids = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
