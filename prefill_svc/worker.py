@@ -86,6 +86,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
                 return
             raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
                                else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
+        if resumed and ev.finish_reason is not None:
+            # The engine replays the completion first and stops where it ends: no KV was computed.
+            raise ValueError(f"output_ids already end the request ({ev.finish_reason.value}: a stop token or "
+                             f"string, max_tokens or the context); there is nothing to resume")
         prefill_s = time.perf_counter() - t0
         metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
         if ev.token_ids:
