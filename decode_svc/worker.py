@@ -167,12 +167,16 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
         context.add_callback(lambda: (w.inbox.cancel(key), w.engine.cancel(key)))
         wait_s = min(request.kv_wait_s or w.config.kv_wait_s, context.time_remaining() or w.config.kv_wait_s)
         t0 = time.perf_counter()
-        if not w.inbox.take(key, wait_s, context.is_active):
+        kv_len = w.inbox.take(key, wait_s, context.is_active)
+        if kv_len is None:
             if not context.is_active():
                 return
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"the KV of {rid} did not arrive within {wait_s:.1f} s; the prefill "
                                f"worker may have failed, retry the request")
+        if kv_len != len(prompt):
+            w.engine.cancel(key)  # it is ours now: free it (the engine would refuse it as its own ERROR)
+            raise ValueError(f"the KV pushed for {rid} holds {kv_len} tokens, prompt_ids has {len(prompt)}")
         kv_wait_s = time.perf_counter() - t0
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         w.engine.submit(key, prompt, params, events.put, seed=seed, output_ids=output, parked=True)
@@ -238,7 +242,7 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
         if refused is not None:
             metrics.KV_FAILURES.labels(wid, "no_room").inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV of {rid} refused: {refused}")
-        if not w.inbox.arrived(key):
+        if not w.inbox.arrived(key, receiver.num_tokens):
             w.engine.cancel(key)
             raise cancelled
         return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)
