@@ -245,45 +245,46 @@ def test_concurrent_duplicate_ids(cluster, channels, baseline):
 
     # Decode: the second arrives while the first is decoding (about a second for 30 tokens).
     rid, ids, max_tokens = unique_id("dup"), [5, 6, 7, 8], 30
-    reserve(cluster, rid, len(ids) + max_tokens)
 
     def decode_raw(attempt: int) -> bytes:
         return internal_pb2.DecodeRequest(request_id=rid, epoch=d.epoch, prompt_ids=ids, output_ids=[9],
                                           attempt=attempt, sampling=greedy_sampling(max_tokens),
                                           kv_wait_s=1).SerializeToString()
 
-    kv = kv_tensor(fp, len(ids), "normal", 0)
-    t1, out1 = start(dec, decode_raw(1))
-    time.sleep(0.1)
-    assert push_kv(channels, cluster, rid, kv, attempt=1).code == "OK"
-    time.sleep(0.2)
-    t2, out2 = start(dec, decode_raw(1))
-    t1.join()
-    t2.join()
-    INPUTS["concurrent"] += 2
-    judge(out2[0], Verdict({"ABORTED"}, ("already running",), hint_code="ABORTED"), WORKER_CODES | {"ABORTED"},
-          decode_raw(1))
-    assert out1[0].code == "OK", out1
-    assert len(tokens(out1[0])) == max_tokens - 1
+    reserve(cluster, rid, len(ids) + max_tokens)
+    try:
+        kv = kv_tensor(fp, len(ids), "normal", 0)
+        t1, out1 = start(dec, decode_raw(1))
+        time.sleep(0.1)
+        assert push_kv(channels, cluster, rid, kv, attempt=1).code == "OK"
+        time.sleep(0.2)
+        t2, out2 = start(dec, decode_raw(1))
+        t1.join()
+        t2.join()
+        INPUTS["concurrent"] += 2
+        judge(out2[0], Verdict({"ABORTED"}, ("already running",), hint_code="ABORTED"), WORKER_CODES | {"ABORTED"},
+              decode_raw(1))
+        assert out1[0].code == "OK", out1
+        assert len(tokens(out1[0])) == max_tokens - 1
 
-    # Two attempts of one request at once (the router gave up on attempt 2 and started 3): each its own KV.
-    t2, out2 = start(dec, decode_raw(2))
-    t3, out3 = start(dec, decode_raw(3))
-    time.sleep(0.1)
-    assert push_kv(channels, cluster, rid, kv, attempt=2).code == "OK"
-    assert push_kv(channels, cluster, rid, kv, attempt=3).code == "OK"
-    t2.join()
-    t3.join()
-    INPUTS["concurrent"] += 2
-    assert out2[0].code == "OK" and out3[0].code == "OK", (out2, out3)
-    # Same KV, same prompt, greedy: the same tokens, whichever rows of the batch they took.
-    assert tokens(out2[0]) == tokens(out3[0]) == tokens(out1[0])
-    release(cluster, rid)
+        # Two attempts of one request at once (the router gave up on attempt 2 and started 3): each its own KV.
+        t2, out2 = start(dec, decode_raw(2))
+        t3, out3 = start(dec, decode_raw(3))
+        time.sleep(0.1)
+        assert push_kv(channels, cluster, rid, kv, attempt=2).code == "OK"
+        assert push_kv(channels, cluster, rid, kv, attempt=3).code == "OK"
+        t2.join()
+        t3.join()
+        INPUTS["concurrent"] += 2
+        assert out2[0].code == "OK" and out3[0].code == "OK", (out2, out3)
+        # Same KV, same prompt, greedy: the same tokens, whichever rows of the batch they took.
+        assert tokens(out2[0]) == tokens(out3[0]) == tokens(out1[0])
+    finally:
+        release(cluster, rid)
 
     # Prefill: the second arrives while the first is still in the engine (a prompt of 400 tokens), and
     # a third, for another attempt, runs beside them (both KVs fit the pool at once).
     rid, prompt_ids = unique_id("dup-p"), list(range(10, 410))
-    reserve(cluster, rid, len(prompt_ids) + 2)
 
     def prefill_raw(attempt: int) -> bytes:
         target = internal_pb2.KVTarget(worker_id=d.config.worker_id, kv_address=d.kv_address, epoch=d.epoch,
@@ -291,19 +292,22 @@ def test_concurrent_duplicate_ids(cluster, channels, baseline):
         return internal_pb2.PrefillRequest(request_id=rid, prompt_ids=prompt_ids, sampling=greedy_sampling(30),
                                            target=target).SerializeToString()
 
-    t1, out1 = start(pre, prefill_raw(1))
-    time.sleep(0.1)
-    t2, out2 = start(pre, prefill_raw(1))
-    t3, out3 = start(pre, prefill_raw(2))
-    for t in (t1, t2, t3):
-        t.join()
-    INPUTS["concurrent"] += 3
-    judge(out2[0], Verdict({"ABORTED"}, ("already running",), hint_code="ABORTED"), WORKER_CODES | {"ABORTED"},
-          prefill_raw(1))
-    assert out1[0].code == "OK" and out3[0].code == "OK", (out1, out3)
-    for attempt, out in ((1, out1[0]), (2, out3[0])):
-        claim_kv(channels, cluster, rid, prompt_ids, [out.responses[0].first_token.token_id], attempt)
-    release(cluster, rid)
+    reserve(cluster, rid, len(prompt_ids) + 2)
+    try:
+        t1, out1 = start(pre, prefill_raw(1))
+        time.sleep(0.1)
+        t2, out2 = start(pre, prefill_raw(1))
+        t3, out3 = start(pre, prefill_raw(2))
+        for t in (t1, t2, t3):
+            t.join()
+        INPUTS["concurrent"] += 3
+        judge(out2[0], Verdict({"ABORTED"}, ("already running",), hint_code="ABORTED"), WORKER_CODES | {"ABORTED"},
+              prefill_raw(1))
+        assert out1[0].code == "OK" and out3[0].code == "OK", (out1, out3)
+        for attempt, out in ((1, out1[0]), (2, out3[0])):
+            claim_kv(channels, cluster, rid, prompt_ids, [out.responses[0].first_token.token_id], attempt)
+    finally:
+        release(cluster, rid)
     assert_nothing_parked(cluster)
 
 
@@ -316,7 +320,6 @@ def test_retried_decode_after_a_cancelled_one(cluster, channels, baseline):
     expected = baseline[0]  # the router's greedy answer: 12 tokens, ignore_eos
     prompt_ids = d.tokenizer.encode(GREEDY_PROMPT)
     rid = unique_id("retry")
-    reserve(cluster, rid, len(prompt_ids) + len(expected))
 
     def prefill(attempt: int, output_ids=()) -> Outcome:
         target = internal_pb2.KVTarget(worker_id=d.config.worker_id, kv_address=d.kv_address, epoch=d.epoch,
@@ -327,9 +330,9 @@ def test_retried_decode_after_a_cancelled_one(cluster, channels, baseline):
         return call_stream(pre, raw.SerializeToString(), CALL_TIMEOUT_S)
 
     def decode_request(attempt: int, output_ids) -> bytes:
-        return internal_pb2.DecodeRequest(request_id=rid, epoch=d.epoch, prompt_ids=prompt_ids, output_ids=output_ids,
-                                          attempt=attempt, sampling=greedy_sampling(len(expected)),
-                                          kv_wait_s=5).SerializeToString()
+        return internal_pb2.DecodeRequest(request_id=rid, epoch=d.epoch, prompt_ids=prompt_ids,
+                                          output_ids=output_ids, attempt=attempt,
+                                          sampling=greedy_sampling(len(expected)), kv_wait_s=5).SerializeToString()
 
     def decode(attempt: int, output_ids) -> list[int]:
         INPUTS["concurrent"] += 1
@@ -338,30 +341,33 @@ def test_retried_decode_after_a_cancelled_one(cluster, channels, baseline):
         assert out.responses[-1].finish_reason == handoff_pb2.FINISH_REASON_LENGTH
         return [t for e in out.responses for t in e.token_ids]
 
-    first = dec(decode_request(1, expected[:1]), timeout=CALL_TIMEOUT_S)
-    time.sleep(0.2)
-    first.cancel()
-    time.sleep(0.3)  # the worker notices the cancellation
-    INPUTS["concurrent"] += 1
-    late = prefill(1)  # attempt 1's KV, after its Decode ended: refused, charged to the decode worker
-    assert late.code == "CANCELLED" and late.blame == ("decode", d.config.worker_id, d.epoch), late
-    assert_nothing_parked(cluster)
+    reserve(cluster, rid, len(prompt_ids) + len(expected))
+    try:
+        INPUTS["concurrent"] += 1
+        first = dec(decode_request(1, expected[:1]), timeout=CALL_TIMEOUT_S)
+        time.sleep(0.2)
+        first.cancel()
+        time.sleep(0.3)  # the worker notices the cancellation
+        late = prefill(1)  # attempt 1's KV, after its Decode ended: refused, charged to the decode worker
+        assert late.code == "CANCELLED" and late.blame == ("decode", d.config.worker_id, d.epoch), late
+        assert_nothing_parked(cluster)
 
-    outs: list[list[int]] = []
-    retry = threading.Thread(target=lambda: outs.append(decode(2, expected[:1])))
-    retry.start()
-    time.sleep(0.1)
-    pushed = prefill(2)
-    retry.join()
-    assert pushed.code == "OK", pushed
-    assert [e.WhichOneof("event") for e in pushed.responses] == ["first_token", "transfer_done"]
-    assert pushed.responses[0].first_token.token_id == expected[0]
-    assert outs == [expected[1:]], "attempt 2 did not continue the greedy answer"
+        outs: list[list[int]] = []
+        retry = threading.Thread(target=lambda: outs.append(decode(2, expected[:1])))
+        retry.start()
+        time.sleep(0.1)
+        pushed = prefill(2)
+        retry.join()
+        assert pushed.code == "OK", pushed
+        assert [e.WhichOneof("event") for e in pushed.responses] == ["first_token", "transfer_done"]
+        assert pushed.responses[0].first_token.token_id == expected[0]
+        assert outs == [expected[1:]], "attempt 2 did not continue the greedy answer"
 
-    # Failover after 5 tokens: prefill pushes the prompt's KV alone, decode replays the 4 tokens before
-    # the last and continues from there, bit for bit.
-    resumed = prefill(3, expected[:5])
-    assert resumed.code == "OK" and [e.WhichOneof("event") for e in resumed.responses] == ["transfer_done"], resumed
-    assert decode(3, expected[:5]) == expected[5:], "the resumed decode did not continue the greedy answer"
-    release(cluster, rid)
+        # Failover after 5 tokens: prefill pushes the prompt's KV alone, decode replays the 4 tokens before
+        # the last and continues from there, bit for bit.
+        resumed = prefill(3, expected[:5])
+        assert resumed.code == "OK" and [e.WhichOneof("event") for e in resumed.responses] == ["transfer_done"], resumed
+        assert decode(3, expected[:5]) == expected[5:], "the resumed decode did not continue the greedy answer"
+    finally:
+        release(cluster, rid)
     assert_nothing_parked(cluster)
