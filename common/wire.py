@@ -33,6 +33,13 @@ def sampling_from_pb(pb: internal_pb2.SamplingParams, vocab_size: int) -> tuple[
     return params, pb.seed
 
 
+def check_request_id(request_id: str) -> str:
+    """Every KV push and lease is keyed by the request id: an empty one could never be served."""
+    if not request_id:
+        raise ValueError("request_id must not be empty")
+    return request_id
+
+
 def check_token_ids(ids, vocab_size: int, max_len: int, name: str = "prompt_ids") -> list[int]:
     ids = list(ids)
     if not ids:

@@ -16,7 +16,7 @@ from common.engine.planner import plan
 from common.grpc_util import ServiceError
 from common.kv_wire import MAX_PREFIX_BLOCKS, KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
-from common.wire import FINISH_TO_PB, check_token_ids, sampling_from_pb
+from common.wire import FINISH_TO_PB, check_request_id, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox
 from protos import internal_pb2, internal_pb2_grpc
@@ -141,7 +141,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
 
     def _decode(self, request, context):
         w = self.w
-        rid = request.request_id
+        rid = check_request_id(request.request_id)
         key = seq_key(rid, request.attempt)
         if request.epoch != w.epoch:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -169,12 +169,16 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
         context.add_callback(lambda: (w.inbox.cancel(key), w.engine.cancel(key)))
         wait_s = min(request.kv_wait_s or w.config.kv_wait_s, context.time_remaining() or w.config.kv_wait_s)
         t0 = time.perf_counter()
-        if not w.inbox.take(key, wait_s, context.is_active):
+        kv_len = w.inbox.take(key, wait_s, context.is_active)
+        if kv_len is None:
             if not context.is_active():
                 return
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"the KV of {rid} did not arrive within {wait_s:.1f} s; the prefill "
                                f"worker may have failed, retry the request")
+        if kv_len != len(prompt):
+            w.engine.cancel(key)  # it is ours now: free it (the engine would refuse it as its own ERROR)
+            raise ValueError(f"the KV pushed for {rid} holds {kv_len} tokens, prompt_ids has {len(prompt)}")
         kv_wait_s = time.perf_counter() - t0
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         w.engine.submit(key, prompt, params, events.put, seed=seed, output_ids=output, parked=True)
@@ -243,7 +247,8 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
             # A prefix evicted since CachedPrefix answered: the sender pushes it all again.
             code = grpc.StatusCode.ABORTED if refused.code == "evicted" else grpc.StatusCode.RESOURCE_EXHAUSTED
             raise ServiceError(code, f"KV of {rid} refused: {refused}")
-        if not w.inbox.arrived(key):
+        prefix_tokens = len(header.prefix_hashes) * w.engine.pool.block_size
+        if not w.inbox.arrived(key, prefix_tokens + receiver.num_tokens):
             w.engine.cancel(key)
             raise cancelled
         return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)

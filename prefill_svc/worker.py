@@ -13,7 +13,7 @@ from common.grpc_util import ServiceError
 from common.kv_wire import encode_kv
 from common.engine.output import FinishReason
 from common.state import WorkerInfo
-from common.wire import check_token_ids, sampling_from_pb
+from common.wire import check_request_id, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from protos import internal_pb2, internal_pb2_grpc
 
@@ -67,7 +67,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
 
     def _prefill(self, request, key: str, context):
         w = self.w
-        rid = request.request_id
+        rid = check_request_id(request.request_id)
         cfg = w.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
         ids = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
@@ -87,6 +87,10 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
                 return
             raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
                                else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
+        if resumed and ev.finish_reason is not None:
+            # The engine replays the completion first and stops where it ends: no KV was computed.
+            raise ValueError(f"output_ids already end the request ({ev.finish_reason.value}: a stop token or "
+                             f"string, max_tokens or the context); there is nothing to resume")
         prefill_s = time.perf_counter() - t0
         metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
         metrics.PREFIX_TOKENS.labels(w.config.worker_id, "prompt").inc(len(ids))

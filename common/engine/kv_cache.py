@@ -158,7 +158,7 @@ class BlockPool:
 
 
 class KVCache:
-    """The K/V tensors behind a BlockPool: [layers, num_blocks * block_size, 2, kv_heads, head_dim].
+    """The K/V tensors behind a BlockPool: [layers, num_blocks * block_size + 1, 2, kv_heads, head_dim].
 
     K and V of a slot sit side by side, so a layer writes a step's K/V in one op and a decode
     step gathers a context's K/V in one op. The wire layout is [layers, 2, tokens, ...].
@@ -168,12 +168,17 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
-        self.kv = torch.zeros(config.num_layers, num_blocks * block_size, 2, config.num_kv_heads,
+        # One slot past the last block, never written: attention pads a row's context with it. A
+        # masked slot weighs 0, but 0 * inf and 0 * NaN are NaN, so padding over blocks holding
+        # non-finite K/V (a bad push, a previous owner's) would poison the row; zeros add nothing.
+        self.null_slot = num_blocks * block_size
+        self.kv = torch.zeros(config.num_layers, num_blocks * block_size + 1, 2, config.num_kv_heads,
                               config.head_dim, dtype=dtype, device=device)
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes of the pool's blocks (the null slot, one token's worth, is not counted)."""
+        return self.kv[:, :self.null_slot].numel() * self.kv.element_size()
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Flat slot index of every token position in [start, end) of a sequence."""

@@ -120,10 +120,13 @@ class ModelRunner:
         max_blocks = -(-span // bs)
         bt = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
         # Slots of positions 0..span-1 of every row; past a row's own length they are masked (the mask
-        # is always there: SDPA without one takes another path, whose bits differ).
+        # is always there: SDPA without one takes another path, whose bits differ) and read the
+        # all-zero null slot, whatever the blocks there hold.
         context_slots = (bt[:, :, None] * bs + self._offsets[:bs]).view(len(items), -1)[:, :span]
         lens = self._tensor(ctx_lens)
-        mask = (self._offsets[:span][None, :] < lens[:, None])[:, None, None, :]
+        attend = self._offsets[:span][None, :] < lens[:, None]  # [B, S]
+        context_slots = context_slots.masked_fill(~attend, self.cache.null_slot)
+        mask = attend[:, None, None, :]
         slots = [t[it.position // bs] * bs + it.position % bs for t, it in zip(tables, items)]
         ctx = AttnContext(
             slot_mapping=self._tensor(slots),
