@@ -83,6 +83,11 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--threads", "HANDOFF_THREADS", 0, "torch intra-op threads; 0 = all cores", int)
     add_flag(parser, "--drain-timeout-s", "HANDOFF_DRAIN_TIMEOUT_S", 25.0,
              "on SIGTERM, how long in-flight requests may take to finish", float)
+    add_flag(parser, "--prefill-chunk-tokens", "HANDOFF_PREFILL_CHUNK_TOKENS", 256,
+             "prompts are prefilled in chunks of this many tokens at fixed positions, and the K/V of whole chunks "
+             "is reused by prompts that share them; a multiple of the block size, the same on every worker", int)
+    add_flag(parser, "--prefix-caching", "HANDOFF_PREFIX_CACHING", True,
+             "keep the K/V of prompt chunks for later prompts with the same prefix", parse_bool)
     add_flag(parser, "--int4-decode", "HANDOFF_INT4_DECODE", True,
              "decode with the GGUF's packed 4-bit weights (fast at small batches); "
              "false = bf16 matmuls (more throughput at 32+ streams)", parse_bool)

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import logging
 import threading
+import urllib.parse
 from concurrent import futures
 from typing import Iterator
 
@@ -48,8 +49,15 @@ class ServiceError(Exception):
 FAILED_ROLE, FAILED_WORKER, FAILED_EPOCH = "handoff-failed-role", "handoff-failed-worker", "handoff-failed-epoch"
 
 
+# A metadata value must be printable ASCII, or gRPC fails the whole call with INTERNAL ("Invalid
+# metadata") and drops the status it was meant to carry. Ids come from peers (a KVTarget names any
+# worker), so values are percent-encoded outside printable ASCII, as grpc-message is.
+_METADATA_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
 def blame(role: str, worker_id: str, epoch: str) -> tuple[tuple[str, str], ...]:
-    return ((FAILED_ROLE, role), (FAILED_WORKER, worker_id), (FAILED_EPOCH, epoch))
+    return tuple((key, urllib.parse.quote(value, safe=_METADATA_SAFE, errors="surrogatepass"))
+                 for key, value in ((FAILED_ROLE, role), (FAILED_WORKER, worker_id), (FAILED_EPOCH, epoch)))
 
 
 def blamed(exc: grpc.RpcError) -> tuple[str, str, str] | None:
@@ -60,7 +68,8 @@ def blamed(exc: grpc.RpcError) -> tuple[str, str, str] | None:
         return None
     if FAILED_ROLE not in trailers or FAILED_WORKER not in trailers:
         return None
-    return trailers[FAILED_ROLE], trailers[FAILED_WORKER], trailers.get(FAILED_EPOCH, "")
+    role, worker_id, epoch = trailers[FAILED_ROLE], trailers[FAILED_WORKER], trailers.get(FAILED_EPOCH, "")
+    return tuple(urllib.parse.unquote(value, errors="surrogatepass") for value in (role, worker_id, epoch))
 
 
 def _abort_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -16,8 +16,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from common.engine.config import ModelConfig
+from common.engine.prefix import HASH_BYTES
 from protos import internal_pb2
 
+MAX_PREFIX_BLOCKS = 4096  # block hashes a push or a CachedPrefix query may name
 CHUNK_BYTES = 1 << 20  # payload bytes per KVData message: well under gRPC's 4 MiB default limit
 LAYOUT = "L2THD"
 
@@ -92,7 +94,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def encode_kv(kv: torch.Tensor, *, request_id: str, target_worker_id: str, target_epoch: str,
               fingerprint: ModelFingerprint, reservation_id: str = "", attempt: int = 0,
-              chunk_bytes: int = CHUNK_BYTES) -> Iterator[internal_pb2.KVChunk]:
+              prefix_hashes: list[bytes] = (), chunk_bytes: int = CHUNK_BYTES) -> Iterator[internal_pb2.KVChunk]:
     """Yield the header, then the data chunks of one sequence's KV cache.
 
     kv: [num_layers, 2, num_tokens, num_kv_heads, head_dim], contiguous, of the fingerprint's dtype.
@@ -108,7 +110,7 @@ def encode_kv(kv: torch.Tensor, *, request_id: str, target_worker_id: str, targe
     yield internal_pb2.KVChunk(header=internal_pb2.KVHeader(
         request_id=request_id, target_worker_id=target_worker_id, target_epoch=target_epoch,
         fingerprint=fingerprint.to_pb(), num_tokens=num_tokens, total_bytes=total_bytes, num_chunks=num_chunks,
-        layout=LAYOUT, reservation_id=reservation_id, attempt=attempt))
+        layout=LAYOUT, reservation_id=reservation_id, attempt=attempt, prefix_hashes=list(prefix_hashes)))
     for index in range(num_chunks):
         offset = index * chunk_bytes
         piece = payload[offset:offset + chunk_bytes]
@@ -172,6 +174,9 @@ class KVReceiver:
             raise KVTransferError("epoch", f"push targets epoch {header.target_epoch!r} of worker "
                                            f"{self.worker_id!r}, which is now at epoch {self.epoch!r} "
                                            f"(the worker restarted since the reservation)")
+        if len(header.prefix_hashes) > MAX_PREFIX_BLOCKS or any(len(h) != HASH_BYTES for h in header.prefix_hashes):
+            raise KVTransferError("header", f"prefix_hashes must be at most {MAX_PREFIX_BLOCKS} hashes of "
+                                            f"{HASH_BYTES} bytes each")
         if header.layout != LAYOUT:
             raise KVTransferError("shape", f"layout must be {LAYOUT!r}, got {header.layout!r}")
         if header.num_tokens < 1:

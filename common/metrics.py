@@ -24,6 +24,8 @@ ROUTER_WAITING = Gauge("handoff_router_waiting_requests", "Requests waiting for 
 RETRIES = Counter("handoff_router_retries_total", "Attempts re-run on another worker", ["reason"])
 HTTP_RESPONSES = Counter("handoff_router_http_responses_total", "OpenAI-compatible HTTP API answers by route and "
                          "status (499: the client left first)", ["route", "status"])
+ROUTED = Counter("handoff_router_prefill_choices_total",
+                 "Prefill worker choices: for its cached prefix (cache) or its load (load)", ["choice"])
 
 # workers
 PREFILL_QUEUE = Gauge("handoff_prefill_queue_depth", "Prompts waiting or running prefill", ["worker"])
@@ -38,6 +40,9 @@ KV_BYTES = Counter("handoff_kv_transfer_bytes_total", "KV bytes shipped", ["work
 KV_SECONDS = Histogram("handoff_kv_transfer_seconds", "Seconds per KV transfer", ["worker"],
                        buckets=_LATENCY_BUCKETS)
 KV_FAILURES = Counter("handoff_kv_transfer_failures_total", "KV transfers that failed", ["worker", "reason"])
+PREFIX_TOKENS = Counter("handoff_prefix_cache_tokens_total",
+                        "Prompt tokens admitted for prefill (kind=prompt) and of them found in the prefix cache "
+                        "(kind=cached); hit rate = cached / prompt", ["worker", "kind"])
 
 _started: dict[int, int] = {}  # port asked for -> port bound
 

@@ -10,6 +10,8 @@ Keys, under the prefix:
     leases:<id>             ZSET request_id -> lease expiry (ms)
     lease_blocks:<id>       HASH request_id -> "<num_blocks>:<worker epoch>"
     request:<id>            HASH state, history, t_<state>, counts, workers, router, error
+    prefixes:<id>           SET hex prefix hashes of the prompt chunks the worker's cache holds (expires
+                            with the registration)
     routers                 ZSET router_id -> registration expiry (ms)
     router_requests:<id>    SET request ids the router has in flight (non-terminal records)
     drain:<id>              STRING the epoch an operator asked to drain (python -m router.status drain)
@@ -57,6 +59,10 @@ class WorkerInfo:
     started_at: float  # unix seconds
     block_size: int = 16  # tokens per KV block: reservations are counted in these
     metrics_port: int = 0  # where its Prometheus /metrics answers (same host as address); 0 = none
+    # How it names prompt prefixes (common/engine/prefix.py), so a router can find the worker that
+    # holds a prompt's prefix: the hash seed (hex) and the prefill chunk size; "" / 0 = no prefix cache.
+    prefix_seed: str = ""
+    chunk_tokens: int = 0
     # Decode only, computed on read as total_blocks minus the live leases; never written.
     available_blocks: int | None = None
 
@@ -69,7 +75,7 @@ class WorkerInfo:
 
 _WORKER_FIELDS = [f.name for f in fields(WorkerInfo) if f.name != "available_blocks"]
 _WORKER_INT_FIELDS = {"total_blocks", "free_blocks", "num_running", "num_waiting", "available_blocks",
-                      "block_size", "metrics_port"}
+                      "block_size", "metrics_port", "chunk_tokens"}
 
 
 def _worker_from_flat(flat: list[str]) -> WorkerInfo:
@@ -527,6 +533,30 @@ class StateStore:
         ttl_s = self.record_ttl_s if state in TERMINAL_STATES else self.active_record_ttl_s
         return bool(self._transition(keys=[self._request_key(request_id)],
                                      args=[state.value, _ms(ttl_s), self.prefix, request_id, *_pairs(fields)]))
+
+    # --- prefix caches: which worker holds which prompt prefixes ---
+
+    @_unavailable_as_state_error
+    def publish_prefixes(self, worker_id: str, hashes: list[bytes], ttl_s: float) -> None:
+        """Replace the worker's published set of cached prefix hashes (at most a few thousand)."""
+        key = f"{self.prefix}prefixes:{worker_id}"
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(key)
+        if hashes:
+            pipe.sadd(key, *(h.hex() for h in hashes))
+            pipe.pexpire(key, _ms(ttl_s))
+        pipe.execute()
+
+    @_unavailable_as_state_error
+    def cached_prefix_chunks(self, worker_ids: list[str], chunk_hashes: list[bytes]) -> dict[str, int]:
+        """For each worker: how many leading chunk hashes of a prompt its published set holds."""
+        pipe = self.client.pipeline(transaction=False)
+        for wid in worker_ids:
+            pipe.smismember(f"{self.prefix}prefixes:{wid}", [h.hex() for h in chunk_hashes])
+        out = {}
+        for wid, held in zip(worker_ids, pipe.execute()):
+            out[wid] = next((i for i, h in enumerate(held) if not h), len(held))
+        return out
 
     # --- routers: who looks after which request ---
 

@@ -42,6 +42,13 @@ def logprobs_to_pb(lp: TokenLogprobs) -> handoff_pb2.TokenLogprob:
         handoff_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
+def check_request_id(request_id: str) -> str:
+    """Every KV push and lease is keyed by the request id: an empty one could never be served."""
+    if not request_id:
+        raise ValueError("request_id must not be empty")
+    return request_id
+
+
 def check_token_ids(ids, vocab_size: int, max_len: int, name: str = "prompt_ids") -> list[int]:
     ids = list(ids)
     if not ids:

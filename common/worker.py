@@ -51,6 +51,8 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 2.0
     block_size: int = 16
     max_prefill_tokens: int = 2048
+    prefill_chunk_tokens: int = 256  # prompts are prefilled in chunks at fixed positions (prefix.py)
+    prefix_caching: bool = True  # keep full chunks' K/V for prompts that share a prefix
     max_running: int = 64
     int4_decode: bool = True  # packed 4-bit decode when the weights are GGUF Q4 (see runner.py)
     # decode only
@@ -63,7 +65,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
-        for name in ("block_size", "max_prefill_tokens", "max_running", "prefill_kv_tokens"):
+        for name in ("block_size", "max_prefill_tokens", "max_running", "prefill_kv_tokens", "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_memory_gib <= 0:
@@ -201,6 +203,7 @@ class WorkerBase:
         self._inflight_lock = threading.Lock()
         self.started_at = time.time()
         self.metrics_port = 0  # set by serve() once /metrics listens
+        self._published: tuple[list[bytes], float] = ([], 0.0)  # prefix hashes last published, and when
         self.server = None
         self.health_server = None
         self.engine = None
@@ -279,8 +282,24 @@ class WorkerBase:
     def _stop_extra(self) -> None:
         """Stops what _start_extra started."""
 
+    def prefix_info(self) -> dict:
+        """WorkerInfo fields saying how this worker names prompt prefixes (for cache-aware routing)."""
+        hasher = self.engine.hasher
+        return dict(prefix_seed=hasher.seed.hex(), chunk_tokens=hasher.chunk_tokens)
+
+    def _publish_prefixes(self) -> None:
+        """Publish the prefixes the KV cache holds when they change, and at least every 5 s (the set
+        expires after 20 s, so a dead worker's goes with it)."""
+        hashes = self.engine.cached_chunk_hashes()
+        now = time.monotonic()
+        if hashes == self._published[0] and now - self._published[1] < 5.0:
+            return
+        self.state.publish_prefixes(self.config.worker_id, hashes, ttl_s=20.0)
+        self._published = (hashes, now)
+
     def _after_beat(self) -> None:
         self._check_drain_request()
+        self._publish_prefixes()
         # Any survivor ends the requests of a router that died (its registration lapsed).
         for router_id, num_ended in self.state.reap_routers().items():
             log.warning("router %s is gone: ended its %d requests still in flight", router_id, num_ended)

@@ -12,7 +12,7 @@ from typing import Callable
 
 
 class KVInbox:
-    """key -> arrival time of K/V parked in the pool, until its Decode call takes it.
+    """key -> (arrival time, tokens) of K/V parked in the pool, until its Decode call takes it.
 
     K/V that nobody claims within `ttl_s` is dropped (`drop(key)` frees it in the engine), and so is
     K/V for a key whose Decode call already ended (a tombstone remembers the key for `ttl_s`). Keys
@@ -23,7 +23,7 @@ class KVInbox:
         self.ttl_s = ttl_s
         self._drop = drop
         self._cond = threading.Condition()
-        self._arrived: dict[str, float] = {}
+        self._arrived: dict[str, tuple[float, int]] = {}  # key -> (monotonic arrival, num_tokens)
         self._cancelled: dict[str, float] = {}
 
     def accepting(self, key: str) -> bool:
@@ -31,26 +31,28 @@ class KVInbox:
         with self._cond:
             return key not in self._cancelled and key not in self._arrived
 
-    def arrived(self, key: str) -> bool:
-        """The key's K/V is parked; False if its Decode call ended meanwhile (the caller frees it)."""
+    def arrived(self, key: str, num_tokens: int) -> bool:
+        """The key's K/V (of num_tokens tokens) is parked; False if its Decode call ended meanwhile
+        (the caller frees it)."""
         with self._cond:
             if key in self._cancelled or key in self._arrived:
                 return False
-            self._arrived[key] = time.monotonic()
+            self._arrived[key] = (time.monotonic(), num_tokens)
             self._cond.notify_all()
             return True
 
-    def take(self, key: str, timeout_s: float, is_active=lambda: True) -> bool:
-        """Wait for the key's K/V; True once it is parked (it is the caller's now), False on timeout
-        or once is_active() turns False."""
+    def take(self, key: str, timeout_s: float, is_active=lambda: True) -> int | None:
+        """Wait for the key's K/V; its number of tokens once it is parked (it is the caller's now),
+        None on timeout or once is_active() turns False."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                if self._arrived.pop(key, None) is not None:
-                    return True
+                entry = self._arrived.pop(key, None)
+                if entry is not None:
+                    return entry[1]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not is_active():
-                    return False
+                    return None
                 self._cond.wait(min(remaining, 0.1))
 
     def cancel(self, key: str) -> None:
@@ -65,7 +67,7 @@ class KVInbox:
         """Drop K/V unclaimed for ttl_s, and forget old tombstones."""
         now = time.monotonic()
         with self._cond:
-            stale = [key for key, t in self._arrived.items() if now - t > self.ttl_s]
+            stale = [key for key, (t, _) in self._arrived.items() if now - t > self.ttl_s]
             for key in stale:
                 del self._arrived[key]
             for key, t in list(self._cancelled.items()):

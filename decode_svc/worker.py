@@ -14,9 +14,9 @@ from common.engine.engine import EngineConfig, TokenEvent
 from common.engine.output import FinishReason
 from common.engine.planner import plan
 from common.grpc_util import ServiceError
-from common.kv_wire import KVReceiver, KVTransferError
+from common.kv_wire import MAX_PREFIX_BLOCKS, KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
-from common.wire import FINISH_TO_PB, check_token_ids, logprobs_to_pb, sampling_from_pb
+from common.wire import FINISH_TO_PB, check_request_id, check_token_ids, logprobs_to_pb, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox
 from protos import internal_pb2, internal_pb2_grpc
@@ -57,7 +57,9 @@ class DecodeWorker(WorkerBase):
         return max(1, p.num_blocks)
 
     def _engine_config(self) -> EngineConfig:
-        return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running)
+        return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running,
+                            prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                            prefix_caching=self.config.prefix_caching)
 
     def max_rpcs(self) -> int:
         # Every Decode stream and every push holds a lease of at least one block, so the pool bounds
@@ -99,7 +101,7 @@ class DecodeWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=len(self.engine.running),
                           num_waiting=num_waiting, started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port)
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
 
     def max_kv_bytes(self) -> int:
         # The largest push a Decode could use: a prompt that fits the context and, with the token
@@ -139,7 +141,7 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
 
     def _decode(self, request, context):
         w = self.w
-        rid = request.request_id
+        rid = check_request_id(request.request_id)
         key = seq_key(rid, request.attempt)
         if request.epoch != w.epoch:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -167,12 +169,16 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
         context.add_callback(lambda: (w.inbox.cancel(key), w.engine.cancel(key)))
         wait_s = min(request.kv_wait_s or w.config.kv_wait_s, context.time_remaining() or w.config.kv_wait_s)
         t0 = time.perf_counter()
-        if not w.inbox.take(key, wait_s, context.is_active):
+        kv_len = w.inbox.take(key, wait_s, context.is_active)
+        if kv_len is None:
             if not context.is_active():
                 return
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"the KV of {rid} did not arrive within {wait_s:.1f} s; the prefill "
                                f"worker may have failed, retry the request")
+        if kv_len != len(prompt):
+            w.engine.cancel(key)  # it is ours now: free it (the engine would refuse it as its own ERROR)
+            raise ValueError(f"the KV pushed for {rid} holds {kv_len} tokens, prompt_ids has {len(prompt)}")
         kv_wait_s = time.perf_counter() - t0
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         w.engine.submit(key, prompt, params, events.put, seed=seed, output_ids=output, parked=True)
@@ -227,7 +233,8 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
             metrics.KV_FAILURES.labels(wid, exc.code).inc()
             raise ServiceError(_KV_ERROR_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc)) from exc
         rid = receiver.request_id
-        key = seq_key(rid, receiver.header.attempt)
+        header = receiver.header
+        key = seq_key(rid, header.attempt)
         kv_bytes = kv.numel() * kv.element_size()
         metrics.KV_BYTES.labels(wid, "in").inc(kv_bytes)
         metrics.KV_SECONDS.labels(wid).observe(time.perf_counter() - t0)
@@ -236,15 +243,26 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
         if not w.inbox.accepting(key):
             raise cancelled
         # Into the paged pool now, counted like a running sequence's blocks (the lease made room).
-        refused = w.engine.park(key, kv).result(timeout=w.config.kv_wait_s)
+        refused = w.engine.park(key, kv, list(header.prefix_hashes)).result(timeout=w.config.kv_wait_s)
         del kv
         if refused is not None:
-            metrics.KV_FAILURES.labels(wid, "no_room").inc()
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV of {rid} refused: {refused}")
-        if not w.inbox.arrived(key):
+            metrics.KV_FAILURES.labels(wid, refused.code).inc()
+            # A prefix evicted since CachedPrefix answered: the sender pushes it all again.
+            code = grpc.StatusCode.ABORTED if refused.code == "evicted" else grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise ServiceError(code, f"KV of {rid} refused: {refused}")
+        prefix_tokens = len(header.prefix_hashes) * w.engine.pool.block_size
+        if not w.inbox.arrived(key, prefix_tokens + receiver.num_tokens):
             w.engine.cancel(key)
             raise cancelled
         return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)
 
     def _admit(self, header: internal_pb2.KVHeader) -> None:
-        self.w.check_lease(header.request_id, header.num_tokens)
+        prefix_tokens = len(header.prefix_hashes) * self.w.engine.pool.block_size
+        self.w.check_lease(header.request_id, prefix_tokens + header.num_tokens)
+
+    def CachedPrefix(self, request: internal_pb2.CachedPrefixRequest, context) -> internal_pb2.CachedPrefixReply:
+        if len(request.block_hashes) > MAX_PREFIX_BLOCKS:
+            raise ValueError(f"block_hashes holds {len(request.block_hashes)} hashes, at most {MAX_PREFIX_BLOCKS}")
+        # Read from the engine's pool outside its thread: an answer, not a promise (the push checks again).
+        num_blocks = len(self.w.engine.pool.match_prefix(list(request.block_hashes)))
+        return internal_pb2.CachedPrefixReply(num_blocks=num_blocks)

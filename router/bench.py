@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.bench.engine import MODEL, base_parser, chat_prompt, emit, interleave, log, percentile
+from common.bench.engine import MODEL, base_parser, chat_prompt, emit, interleave, log, percentile, system_prompt
+from common.worker import WorkerConfig
+from router.cluster import Cluster
+from router.config import RouterConfig
 
-SECTIONS = ("ttft", "kv", "itl", "streams32")
+SECTIONS = ("ttft", "kv", "itl", "streams32", "prefix")
 PEER = "engine-alone"
 TIMEOUT_S = 600.0
 HTTP2_FRAME_BYTES = 16384  # gRPC's default SETTINGS_MAX_FRAME_SIZE: one 9-byte frame header per this many bytes
@@ -80,11 +83,14 @@ class ClusterClient:
         self.channel = grpc_util.channel(address, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES)
         self.stub = handoff_pb2_grpc.RouterStub(self.channel)
 
-    def generate(self, text: str, max_tokens: int, request_id: str) -> Stream:
+    def generate(self, text: str, max_tokens: int, request_id: str, system: str | None = None) -> Stream:
+        """A raw prompt, or with `system` a chat: that system prompt and `text` as the user's turn."""
         from protos import handoff_pb2
 
-        req = handoff_pb2.GenerateRequest(prompt=text, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                          request_id=request_id)
+        prompt = dict(prompt=text) if system is None else dict(messages=[
+            handoff_pb2.ChatMessage(role="system", content=system), handoff_pb2.ChatMessage(role="user", content=text)])
+        req = handoff_pb2.GenerateRequest(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                          request_id=request_id, **prompt)
         s = Stream(time.perf_counter())
         last = None
         for msg in self.stub.Generate(req, timeout=TIMEOUT_S):
@@ -121,12 +127,15 @@ class EngineAlone:
     name = PEER
 
     def __init__(self, model, tokenizer, num_blocks: int, int4_decode: bool):
-        from common.engine.engine import Engine
+        from common.engine.engine import Engine, EngineConfig
         from common.engine.kv_cache import KVCache
         from common.engine.runner import ModelRunner
 
         cache = KVCache(model.config, num_blocks, 16, model.dtype, model.device)
-        self.engine = Engine(ModelRunner(model, cache, int4_decode), tokenizer).start()
+        # No prefix cache on either side of these comparisons: they measure the path, and the prompts
+        # repeat (the "prefix" section measures the cache).
+        self.engine = Engine(ModelRunner(model, cache, int4_decode), tokenizer,
+                             EngineConfig(prefix_caching=False)).start()
         self._n = 0
 
     def _submit(self, ids: list[int], max_tokens: int) -> Stream:
@@ -194,6 +203,63 @@ def bench_ttft(cluster: ClusterClient, alone: EngineAlone, prompts: dict, reps: 
         log(f"TTFT {n} tokens: cluster p50 {ms(statistics.median(t['cluster'])):.1f} ms, "
             f"engine alone {ms(statistics.median(t['alone'])):.1f} ms")
     return rids
+
+
+def bench_prefix(args, rounds: int) -> None:
+    """Cache-aware against least-loaded routing, each on a fresh cluster of 2 prefill workers and 1 decode
+    worker: 4 system prompts of ~1,024 tokens, each asked a new 32-token question in turn. Figures: hit
+    rate (prompt tokens found in the prefill worker's cache), TTFT p50, and the KV bytes pushed when the
+    decode worker already holds the prefix, against the whole prompt's."""
+    from common.engine.models import resolve_model_path
+    from common.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(MODEL))
+    topics = ["opening hours", "borrowing rules", "the reading room", "the local history archive"]
+    systems = {t: system_prompt(tokenizer, t, 1024) for t in topics}
+    questions = [f"Question {i}: please tell me, in one short sentence, what matters most about this and why, "
+                 f"for a first visit." for i in range(rounds)]
+    results = {}
+    for routing in ("least_loaded", "cache_aware"):
+        cl = Cluster(model=MODEL, num_prefill=2, num_decode=1, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
+                     threads=args.threads, router=RouterConfig(routing=routing))
+        log(f"prefix: a cluster of 2 prefill + 1 decode workers, routing {routing}")
+        cl.start()
+        client = ClusterClient(cl.address)
+        ttft, prompt_tokens, cached, pushed, full, hit_pushed = [], 0, 0, [], [], []
+        try:
+            for i, q in enumerate(questions):
+                for t, system in systems.items():
+                    rid = f"bench-prefix-{routing}-{i}-{topics.index(t)}-{os.getpid()}"
+                    s = client.generate(q, 2, rid, system=system)
+                    rec = cl.state.get_request(rid)
+                    n = cl.prefill[0].tokenizer.encode(cl.prefill[0].tokenizer.apply_chat_template(
+                        [{"role": "system", "content": system}, {"role": "user", "content": q}]))
+                    if i:  # the first round fills the caches
+                        ttft.append(s.ttft_s)
+                        prompt_tokens += len(n)
+                        cached += int(rec.get("cached_tokens", 0))
+                    kv = int(rec["kv_bytes"])
+                    whole = cl.decode[0].fingerprint().kv_bytes(len(n))
+                    if int(rec.get("skipped_tokens", 0)):
+                        hit_pushed.append(kv)
+                        full.append(whole)
+                    time.sleep(0.6)  # a heartbeat: the workers publish what they now hold
+        finally:
+            client.close()
+            cl.stop()
+        results[routing] = dict(ttft_p50_ms=ms(statistics.median(ttft)), hit_rate=cached / prompt_tokens)
+        log(f"prefix, {routing}: hit rate {cached / prompt_tokens:.2f}, TTFT p50 {ms(statistics.median(ttft)):.0f} ms")
+        emit(f"prefix_hit_rate_{routing}", cached / prompt_tokens, "prompt tokens found in the prefill worker's cache",
+             requests=len(ttft), rounds=rounds)
+        if hit_pushed:
+            emit(f"prefix_kv_bytes_pushed_on_a_decode_hit_{routing}", statistics.mean(hit_pushed),
+                 "bytes (lower is better; ratio = pushed / whole prompt's KV)", peer="whole prompt",
+                 peer_value=statistics.mean(full), pushes=len(hit_pushed))
+    ca, ll = results["cache_aware"], results["least_loaded"]
+    emit("prefix_ttft_p50_ms_cache_aware", ca["ttft_p50_ms"], "ms (lower is better; ratio = cache_aware / least_loaded)",
+         peer="least_loaded routing", peer_value=ll["ttft_p50_ms"])
+    emit("prefix_hit_rate_cache_aware_vs_least_loaded", ca["hit_rate"], "hit rate (ratio = cache_aware / least_loaded)",
+         peer="least_loaded routing", peer_value=ll["hit_rate"])
 
 
 def bench_kv(cl, client: ClusterClient, prompts: dict, rids: dict[int, list[str]], reps: int) -> None:
@@ -293,7 +359,6 @@ def bench_streams32(cluster: ClusterClient, alone: EngineAlone, prompt: tuple[st
 def main(argv: list[str] | None = None) -> None:
     from common.engine.tokenizer import load_tokenizer
     from common.engine.models import resolve_model_path
-    from router.cluster import Cluster
 
     p = base_parser("python -m router.bench", __doc__, SECTIONS, threads=0,
                     threads_help="torch intra-op threads of every engine (default 0: the cluster's own "
@@ -312,8 +377,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # threads 0 = the cluster's own policy (cores / workers); torch's count is per process, so the
     # engine alone runs with the same number as each of the cluster's engines.
+    if sections == {"prefix"}:
+        return bench_prefix(args, rounds=3 if q else 6)
     cl = Cluster(model=MODEL, num_prefill=1, num_decode=args.decode_workers, dtype=args.dtype,
-                 kv_memory_gib=args.kv_memory_gib, threads=args.threads)
+                 kv_memory_gib=args.kv_memory_gib, threads=args.threads,
+                 worker=WorkerConfig(role="prefill", prefix_caching=False))
     log(f"starting a cluster: 1 prefill + {args.decode_workers} decode workers, {args.dtype}")
     cl.start()
     log(f"cluster on {cl.address}; torch threads per engine: {torch.get_num_threads()}")
@@ -338,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         client.close()
         alone.close()
         cl.stop()
+    if "prefix" in sections:
+        bench_prefix(args, rounds=3 if q else 6)
     emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
 

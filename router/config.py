@@ -26,6 +26,8 @@ class RouterConfig:
     max_queued: int = 128  # requests waiting for capacity; beyond, RESOURCE_EXHAUSTED at once
     kv_wait_s: float = 30.0  # how long a decode worker waits for a request's KV
     max_attempts: int = 3  # tries of one request across workers (the retry budget)
+    routing: str = "cache_aware"  # prefill choice: cache_aware (longest cached prefix, load permitting) or least_loaded
+    cache_balance: int = 4  # cache_aware: a worker may have this many more requests in flight than the least loaded
     server_threads: int = 256  # concurrent Generate streams this router can hold
     drain_timeout_s: float = 25.0  # on SIGTERM, how long in-flight streams may take to finish
     health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
@@ -39,6 +41,10 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty = no API key needed; never printed
 
     def __post_init__(self) -> None:
+        if self.routing not in ("cache_aware", "least_loaded"):
+            raise ValueError(f"routing must be cache_aware or least_loaded, got {self.routing!r}")
+        if self.cache_balance < 0:
+            raise ValueError(f"cache_balance must be >= 0, got {self.cache_balance}")
         for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads",
                      "max_body_bytes"):
             if getattr(self, name) <= 0:
@@ -64,6 +70,11 @@ class RouterConfig:
                      "how long a request may wait for decode capacity", float)
         cli.add_flag(p, "--max-queued", "HANDOFF_MAX_QUEUED", 128, "requests allowed to wait for capacity", int)
         cli.add_flag(p, "--lease-ttl-s", "HANDOFF_LEASE_TTL_S", 10.0, "KV reservation lease", float)
+        cli.add_flag(p, "--routing", "HANDOFF_ROUTING", "cache_aware",
+                     "prefill worker choice: cache_aware (the longest cached prompt prefix, unless that worker is "
+                     "busier than the least loaded by more than --cache-balance) or least_loaded")
+        cli.add_flag(p, "--cache-balance", "HANDOFF_CACHE_BALANCE", 4,
+                     "cache_aware: requests in flight a worker may have beyond the least loaded one", int)
         cli.add_flag(p, "--drain-timeout-s", "HANDOFF_DRAIN_TIMEOUT_S", 25.0,
                      "on SIGTERM, how long in-flight streams may take to finish", float)
         cli.add_public_tls_flags(p)

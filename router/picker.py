@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from common import metrics
+from common.engine.prefix import PrefixHasher
 from common.grpc_util import ServiceError
 from common.state import StateStore, WorkerInfo
 
@@ -29,11 +31,13 @@ class Lease:
 
 class WorkerPicker:
     def __init__(self, state: StateStore, model_id: str, *, lease_ttl_s: float, queue_timeout_s: float,
-                 max_queued: int):
+                 max_queued: int, routing: str = "cache_aware", cache_balance: int = 4):
         self.state = state
         self.model_id = model_id
         self.lease_ttl_s = lease_ttl_s
         self.queue_timeout_s = queue_timeout_s
+        self.routing = routing
+        self.cache_balance = cache_balance
         self._queue_slots = threading.BoundedSemaphore(max_queued)
         self._lock = threading.Lock()
         self._prefill_load: Counter[str] = Counter()  # requests this router has in flight per prefill worker
@@ -107,9 +111,15 @@ class WorkerPicker:
         return (f"no {role} worker is registered (none started, all down, or Redis was reset and they "
                 f"have not re-registered yet); retry shortly")
 
-    def pick_prefill(self, deadline: float, exclude: Excluded = frozenset()) -> WorkerInfo:
-        """The least loaded prefill worker; when none is left (the only one died), waits for one to
-        (re)start, up to queue_timeout_s or the deadline."""
+    def pick_prefill(self, deadline: float, exclude: Excluded = frozenset(),
+                     prompt_ids: list[int] | None = None) -> tuple[WorkerInfo, int]:
+        """A prefill worker and the prompt tokens its prefix cache holds. When none is left (the only one
+        died), waits for one to (re)start, up to queue_timeout_s or the deadline.
+
+        cache_aware (SGLang's policy, Dynamo's KV router): among the workers whose load is within
+        `cache_balance` requests of the least loaded, the one holding the longest prefix of the
+        prompt (ties: the least loaded); least_loaded: the least loaded.
+        """
         until = min(deadline, time.monotonic() + self.queue_timeout_s)
         while True:
             workers = self._live("prefill", exclude)
@@ -119,10 +129,31 @@ class WorkerPicker:
         if not workers:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("prefill", exclude))
         random.shuffle(workers)
+        cached = self._cached_tokens(workers, prompt_ids) if self.routing == "cache_aware" and prompt_ids else {}
         with self._lock:
-            best = min(workers, key=lambda w: (self._prefill_load[w.worker_id], w.num_waiting))
+            load = {w.worker_id: (self._prefill_load[w.worker_id], w.num_waiting) for w in workers}
+            least = min(load.values())
+            near = [w for w in workers if load[w.worker_id][0] <= least[0] + self.cache_balance]
+            best = min(near, key=lambda w: (-cached.get(w.worker_id, 0), load[w.worker_id]))
             self._prefill_load[best.worker_id] += 1
-        return best
+        hit = cached.get(best.worker_id, 0)
+        metrics.ROUTED.labels("cache" if hit else "load").inc()
+        return best, hit
+
+    def _cached_tokens(self, workers: list[WorkerInfo], prompt_ids: list[int]) -> dict[str, int]:
+        """Prompt tokens each worker's published prefix cache holds (whole chunks)."""
+        out: dict[str, int] = {}
+        by_seed: dict[tuple[str, int, int], list[WorkerInfo]] = {}
+        for w in workers:
+            if w.prefix_seed and w.chunk_tokens:
+                by_seed.setdefault((w.prefix_seed, w.block_size, w.chunk_tokens), []).append(w)
+        for (seed, block_size, chunk), group in by_seed.items():
+            hashes = PrefixHasher.from_seed(bytes.fromhex(seed), block_size=block_size,
+                                            chunk_tokens=chunk).chunk_hashes(prompt_ids)
+            if hashes:
+                for wid, n in self.state.cached_prefix_chunks([w.worker_id for w in group], hashes).items():
+                    out[wid] = n * chunk
+        return out
 
     def done_prefill(self, worker_id: str) -> None:
         with self._lock:

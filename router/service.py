@@ -55,7 +55,8 @@ class Router:
         self.validator = RequestValidator(tokenizer, model_config, default_max_tokens=config.default_max_tokens,
                                           max_messages=config.max_messages)
         self.picker = WorkerPicker(state, weights_id, lease_ttl_s=config.lease_ttl_s,
-                                   queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued)
+                                   queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued,
+                                   routing=config.routing, cache_balance=config.cache_balance)
         self.leases = LeaseKeeper(state, config.lease_ttl_s)
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
         self.channels = grpc_util.ChannelCache(credentials=security.channel_credentials(config.tls),
@@ -215,7 +216,7 @@ class GenerateCall:
             r.leases.hold(self.rid, lease.worker.worker_id, lease.worker.epoch, lease.num_blocks,
                           self._on_lease_lost)
         dw = self.lease.worker
-        pw = r.picker.pick_prefill(deadline, exclude)
+        pw, _ = r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
         try:
             with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
                 return (yield from self._relay(attempt, pw, dw, prefill_ch, decode_ch, deadline))
@@ -238,17 +239,19 @@ class GenerateCall:
                 target=internal_pb2.KVTarget(worker_id=dw.worker_id, kv_address=dw.kv_address, epoch=dw.epoch,
                                              reservation_id=self.rid, attempt=attempt)),
             timeout=self._timeout(deadline)))
+        prefill_fields = {}
         if not resumed:
             first = self._next(prefill_call, pw, deadline)
             if first is None or not first.HasField("first_token"):
                 raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
+            prefill_fields["cached_tokens"] = first.first_token.cached_tokens
             msg = self._push([first.first_token.token_id],
                              [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
             if msg is not None:
                 yield msg
             if self.out.finish_reason is not None:
                 return self.out.finish_reason
-        self._record(RequestState.TRANSFERRING)
+        self._record(RequestState.TRANSFERRING, **prefill_fields)
         decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
             internal_pb2.DecodeRequest(
                 request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
@@ -258,7 +261,8 @@ class GenerateCall:
         if done is None or not done.HasField("transfer_done"):
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
         self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
-                     transfer_s=round(done.transfer_done.transfer_s, 6))
+                     transfer_s=round(done.transfer_done.transfer_s, 6),
+                     skipped_tokens=done.transfer_done.skipped_tokens)
         while True:
             ev = self._next(decode_call, dw, deadline)
             if ev is None:

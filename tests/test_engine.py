@@ -450,10 +450,68 @@ def test_parked_kv_is_counted_in_the_pool_and_freed_by_cancel(make_engine, promp
     second = decode.park("d2", kv)
     decode.step()
     assert first.result(timeout=0) is None
-    assert "free blocks" in second.result(timeout=0)  # the pool cannot hold two: refused, nothing allocated
+    assert second.result(timeout=0).code == "no_room" and "free blocks" in str(second.result())  # the pool cannot hold two: refused, nothing allocated
     assert decode.num_parked == 1 and decode.pool.num_free_blocks < decode.pool.num_blocks
     decode.check_integrity()
     decode.cancel("d1")
     decode.step()
     assert_all_free(decode)
     assert decode.num_parked == 0
+
+
+# --------------------------------------------------------------------------- prefix caching
+
+SYSTEM = ("You are a careful assistant for a small public library. You answer questions about opening hours, "
+          "borrowing rules, fines, the reading room, children's events, the local history archive and the "
+          "computers that visitors may use. ")
+
+
+@pytest.fixture(scope="module")
+def shared_prompts(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = {q: tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM * 12},
+                                                   {"role": "user", "content": q}]))
+           for q in ("When do you open on Sundays?", "Can children borrow DVDs?")}
+    # The same first chunk, then another system prompt: a partial hit.
+    other = tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM * 8},
+                                                {"role": "user", "content": "Where is the archive?"}]))
+    return {**ids, "partial": other}
+
+
+@pytest.mark.parametrize("kw", SERVING[:2], ids=SERVING_IDS[:2])
+@pytest.mark.parametrize("params", [replace(GREEDY, max_tokens=8), replace(SAMPLED, max_tokens=8)],
+                         ids=["greedy", "seeded"])
+def test_prefix_cache_hits_change_no_token(make_engine, shared_prompts, kw, params):
+    """Cold, warm (the same system prompt cached) and partial hits (only its first chunk shared) give the
+    tokens of a cold run, in the serving dtypes: a cached prefix holds exactly the K/V its prefill
+    chunks computed, and the suffix is computed in the same fixed chunks as a cold prefill."""
+    cold = {name: generate(make_engine(num_blocks=256, **kw), {name: (ids, params)})[name].token_ids
+            for name, ids in shared_prompts.items()}
+    engine = make_engine(num_blocks=256, **kw)
+    names = list(shared_prompts)
+    first = generate(engine, {names[0]: (shared_prompts[names[0]], params)})
+    assert engine.num_cached_tokens == 0
+    warm = generate(engine, {n: (shared_prompts[n], params) for n in names})
+    chunk = engine.hasher.chunk_tokens
+    assert len(shared_prompts[names[0]]) > 2 * chunk
+    # Both full prompts found their whole chunks; the partial one found the first.
+    assert engine.num_cached_tokens == 2 * (len(shared_prompts[names[0]]) - 1) // chunk * chunk + chunk
+    assert first[names[0]].token_ids == cold[names[0]]
+    assert {n: warm[n].token_ids for n in names} == cold
+    assert engine.pool.num_cached_blocks > 0 and engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_cached_prefixes_are_evicted_least_recently_used_when_the_pool_needs_room(make_engine, shared_prompts):
+    engine = make_engine(num_blocks=80)  # room for about two of these prompts
+    names = list(shared_prompts)
+    for name in names:
+        generate(engine, {name: (shared_prompts[name], GREEDY)})
+    assert engine.pool.num_cached_blocks > 0
+    # A prompt that needs the whole pool takes the cached blocks, oldest first; all stays consistent.
+    big = list(range(1000, 1000 + 80 * 16 - N - 1))
+    out = generate(engine, {"big": (big, GREEDY)})
+    assert out["big"].finish_reason == FinishReason.LENGTH
+    assert engine.pool.num_cached_blocks <= 80
+    after = generate(engine, {names[0]: (shared_prompts[names[0]], GREEDY)})
+    fresh = generate(make_engine(num_blocks=80), {names[0]: (shared_prompts[names[0]], GREEDY)})
+    assert after[names[0]].token_ids == fresh[names[0]].token_ids

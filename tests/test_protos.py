@@ -32,7 +32,8 @@ def test_stubs_import_and_expose_the_services():
     assert methods(internal_pb2, "DecodeWorker") == {
         "Decode": ("DecodeRequest", "DecodeEvent", False, True)}
     assert methods(internal_pb2, "KVTransfer") == {
-        "PushKV": ("KVChunk", "PushKVReply", True, False)}
+        "PushKV": ("KVChunk", "PushKVReply", True, False),
+        "CachedPrefix": ("CachedPrefixRequest", "CachedPrefixReply", False, False)}
     for stub in ("RouterStub", "add_RouterServicer_to_server"):
         assert hasattr(handoff_pb2_grpc, stub)
     for stub in ("PrefillWorkerStub", "DecodeWorkerStub", "KVTransferStub", "add_KVTransferServicer_to_server"):
@@ -64,14 +65,16 @@ CONTRACT = {
                            "logprobs"],
         "KVTarget": ["worker_id", "kv_address", "epoch", "reservation_id", "attempt"],
         "PrefillRequest": ["request_id", "prompt_ids", "sampling", "target", "output_ids"],
-        "FirstToken": ["token_id", "queue_s", "prefill_s", "finished", "logprob"],
-        "TransferDone": ["kv_bytes", "num_chunks", "transfer_s"],
+        "FirstToken": ["token_id", "queue_s", "prefill_s", "cached_tokens", "finished", "logprob"],
+        "TransferDone": ["kv_bytes", "num_chunks", "transfer_s", "skipped_tokens"],
         "PrefillEvent": ["first_token", "transfer_done"],
         "DecodeRequest": ["request_id", "epoch", "prompt_ids", "sampling", "kv_wait_s", "output_ids", "attempt"],
         "DecodeEvent": ["token_ids", "finish_reason", "kv_wait_s", "decode_s", "logprobs"],
         "ModelFingerprint": ["weights_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"],
         "KVHeader": ["request_id", "target_worker_id", "target_epoch", "fingerprint", "num_tokens",
-                     "total_bytes", "num_chunks", "layout", "reservation_id", "attempt"],
+                     "total_bytes", "num_chunks", "layout", "reservation_id", "attempt", "prefix_hashes"],
+        "CachedPrefixRequest": ["block_hashes"],
+        "CachedPrefixReply": ["num_blocks"],
         "KVData": ["index", "offset", "payload", "crc32"],
         "KVChunk": ["header", "data"],
         "PushKVReply": ["request_id", "num_tokens", "kv_bytes"],

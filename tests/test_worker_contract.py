@@ -32,7 +32,7 @@ PROMPT = [1, 504, 3458, 282, 253, 2415, 314, 253, 12149]  # any token ids will d
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(num_prefill=1, num_decode=1, kv_memory_gib=0.02, threads=1).start()
+    c = Cluster(num_prefill=1, num_decode=1, kv_memory_gib=0.06, threads=1).start()
     yield c
     c.stop()
 
@@ -292,3 +292,31 @@ def test_the_split_gives_the_tokens_of_the_engine_alone(cluster):
                 engine.step()
             assert ids == [t for e in events for t in e.token_ids], kind
     assert d.model.has_int4 and d.model.dtype in (torch.float32, torch.bfloat16)
+
+
+def test_a_shared_prefix_is_neither_recomputed_nor_pushed_again(cluster):
+    """The second request with the same long prompt: the prefill worker reuses its cached chunks, the
+    push leaves out the blocks the decode worker already holds, and the tokens are those of the first."""
+    from protos import handoff_pb2, handoff_pb2_grpc
+
+    words = "The library opens at nine and closes at six; children's books are on the ground floor. "
+    prompt = words * 40
+    d = cluster.decode[0]
+    chunk = d.engine.hasher.chunk_tokens
+    outs = []
+    with grpc.insecure_channel(cluster.address) as ch:
+        stub = handoff_pb2_grpc.RouterStub(ch)
+        for i in range(2):
+            rid = f"prefix-{i}-{time.monotonic_ns()}"
+            msgs = list(stub.Generate(handoff_pb2.GenerateRequest(prompt=prompt, max_tokens=6, temperature=0.0,
+                                                                  ignore_eos=True, request_id=rid), timeout=120))
+            outs.append(([t for m in msgs for t in m.token_ids], msgs[-1].prompt_tokens,
+                         cluster.state.get_request(rid)))
+    (first_ids, n, first), (second_ids, _, second) = outs
+    reusable = (n - 1) // chunk * chunk
+    assert n > 2 * chunk and reusable >= 2 * chunk
+    assert int(first["cached_tokens"]) == 0 and int(first["skipped_tokens"]) == 0
+    assert int(second["cached_tokens"]) == reusable
+    assert int(second["skipped_tokens"]) == reusable
+    assert int(second["kv_bytes"]) == d.fingerprint().kv_bytes(n - reusable)
+    assert second_ids == first_ids

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 MODEL = "smollm2"
 CHAT_PROMPT_LEN = 107  # DESIGN.md's decode context: a 107-token chat prompt
-SECTIONS = ("bandwidth", "prefill", "decode", "memory", "dtypes")
+SECTIONS = ("bandwidth", "prefill", "decode", "memory", "dtypes", "prefix")
 PEER = "hf-transformers"
 LLAMA_CPP_PREFILL_LENS = (128, 512)  # the prompt lengths llama.cpp prefills (the issue's; 2,048 is HF's alone)
 
@@ -116,6 +116,16 @@ def chat_prompt(tokenizer, num_tokens: int) -> tuple[str, list[int]]:
         if len(ids) == num_tokens:
             return text, ids
     raise RuntimeError(f"could not build a chat prompt of exactly {num_tokens} tokens")
+
+
+def system_prompt(tokenizer, topic: str, num_tokens: int) -> str:
+    """A system prompt of about num_tokens tokens (at least), about `topic`."""
+    sentence = (f"You are the assistant of a public library and you answer questions about {topic}: you are "
+                f"brief, exact, and you say when you do not know. ")
+    text = ""
+    while len(tokenizer.encode(text)) < num_tokens:
+        text += sentence
+    return text
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:
@@ -348,6 +358,41 @@ def bench_prefill(ours: Ours, hf: HF, sizes: dict[int, int], llama: LlamaCpp | N
             emit(f"prefill_tok_s_{n}_vs_llama_cpp", v, "tok/s (median of rounds)", peer=llamacpp.NAME,
                  peer_value=tok_s[llamacpp.NAME], prompt_len=n, rounds=rounds,
                  best_ratio=min(t[llamacpp.NAME]) / min(t["ours"]))
+
+
+def bench_prefix(dtype: str, rounds: int) -> None:
+    """Time to first token with a 1,024-token system prompt the prefix cache holds (warm) against one it
+    does not (cold), each with a new 32-token question, alternating: what a prefill worker saves."""
+    from common.engine.engine import Engine, EngineConfig
+    from common.engine.sampling import SamplingParams
+
+    warm, cold = Ours(dtype, 256), Ours(dtype, 256)
+    tok = warm.tokenizer
+    system = system_prompt(tok, "opening hours", 1024)
+    engines = {"warm": Engine(warm.runner, tok, EngineConfig(prefill_only=True)),
+               "cold": Engine(cold.runner, tok, EngineConfig(prefill_only=True, prefix_caching=False))}
+    asked = iter(range(10**6))
+
+    def ttft(who: str) -> float:
+        question = f"Question {next(asked)}: is the library open on the first Monday of the month, and when?"
+        ids = tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                  {"role": "user", "content": question}]))
+        events = []
+        t0 = time.perf_counter()
+        engines[who].submit(who, ids, SamplingParams(temperature=0.0, max_tokens=1), events.append)
+        while not events:
+            engines[who].step()
+        return time.perf_counter() - t0
+
+    ttft("warm")  # fills the cache
+    for who in engines:
+        warm_up(partial(ttft, who))
+    t = interleave({who: partial(ttft, who) for who in engines}, rounds)
+    w, c = statistics.median(t["warm"]), statistics.median(t["cold"])
+    n = len(tok.encode(system))
+    log(f"prefix: TTFT warm {w * 1e3:.0f} ms, cold {c * 1e3:.0f} ms ({n}-token system prompt)")
+    emit("prefix_ttft_ms_warm", w * 1e3, "ms (lower is better; ratio = warm / cold)", peer="cold (no prefix cache)",
+         peer_value=c * 1e3, target="ratio <= 0.3", met=w / c <= 0.3, system_tokens=n, rounds=rounds)
 
 
 def bench_dtypes(num_blocks: int, batches: list[int], steps: int, warmup: int, rounds: int) -> None:
@@ -609,6 +654,8 @@ def main(argv: list[str] | None = None) -> None:
         bench_prefill(ours, hf, prefill_sizes, llama)
     if "decode" in sections:
         bench_decode(ours, hf, batches, steps, warmup, bandwidth, args.dtype, llama)
+    if "prefix" in sections:
+        bench_prefix(args.dtype, 5 if q else 9)
     if "dtypes" in sections:
         del ours, hf
         gc.collect()

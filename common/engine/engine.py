@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from common.engine.output import FinishReason, OutputProcessor
+from common.engine.prefix import PrefixHasher
 from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from common.engine.sampling import Sampler, SamplingParams, TokenLogprobs, derive_seed, token_logprobs
 from common.engine.tokenizer import Tokenizer
@@ -46,6 +47,19 @@ class TokenEvent:
     error: str | None = None
     kv: torch.Tensor | None = None  # prefill_only: the prompt's K/V, [layers, 2, tokens, Hkv, D]
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when params.logprobs asks
+    block_hashes: list[bytes] | None = None  # prefill_only: prefix hashes of the prompt's full-chunk blocks
+    cached_tokens: int = 0  # prefill_only: prompt tokens whose K/V the prefix cache held
+
+
+@dataclass(frozen=True)
+class ParkRefused:
+    """Why park() did not place K/V: code is one of duplicate, evicted, too_big, no_room, stopped."""
+
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclass
@@ -60,6 +74,9 @@ class Sequence:
     kv: torch.Tensor | None = None  # K/V of the prompt handed in with submit(), not yet placed
     parked: bool = False  # its prompt's K/V is already in the pool (park()), under seq_id
     num_computed: int = 0  # tokens whose K/V is in the cache
+    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full-chunk blocks
+    num_registered: int = 0  # of those, blocks already named in the pool (their chunk is computed)
+    num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
 
@@ -80,6 +97,10 @@ class EngineConfig:
     # Rows of replayed tokens (a resumed sequence recomputing its completion's K/V) per decode step,
     # on top of one row per running sequence: bounds how much one resume slows everyone's step.
     max_replay_rows: int = 64
+    # Prompts are prefilled in chunks of this many tokens, at fixed positions (chunk k covers tokens
+    # k*C .. (k+1)*C - 1), and full chunks' K/V is kept for prompts that share the prefix.
+    prefill_chunk_tokens: int = 256
+    prefix_caching: bool = True
 
 
 class Engine:
@@ -97,10 +118,17 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seqs: dict[str, Sequence] = {}  # engine-thread only
-        # seq_id -> (tokens, time parked) of K/V placed in the pool by park() and not yet claimed
+        # seq_id -> (tokens, time parked, prefix hashes) of K/V placed in the pool by park() and not yet claimed
         # by submit(parked=True); engine-thread only. Counted in the pool like any sequence's.
-        self._parked: dict[str, tuple[int, float]] = {}
+        self._parked: dict[str, tuple[int, float, list[bytes]]] = {}  # + the cached prefix it builds on
+        self.prefilling: list[Sequence] = []  # admitted, blocks allocated, prompt chunks still to run
+        self._chunk_ends: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # newest last
+        self.hasher = PrefixHasher(weights_id=getattr(runner.model, "weights_id", ""),
+                                   dtype=str(runner.model.dtype), block_size=self.pool.block_size,
+                                   chunk_tokens=config.prefill_chunk_tokens)
         self.num_steps = 0
+        self.num_prompt_tokens = 0  # prompt tokens admitted for prefill ...
+        self.num_cached_tokens = 0  # ... of which the prefix cache already held the K/V
 
     # ------------------------------------------------------------------ public, thread-safe
 
@@ -129,12 +157,15 @@ class Engine:
         self._inbox.put(("submit", seq))
         self._wake.set()
 
-    def park(self, seq_id: str, kv: torch.Tensor) -> "concurrent.futures.Future[str | None]":
+    def park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes] = ()
+             ) -> "concurrent.futures.Future[ParkRefused | None]":
         """Place a prompt's K/V ([layers, 2, tokens, Hkv, D]) in the pool under seq_id, for a later
-        submit(parked=True). The future gives None once placed, or why it was refused (the pool has
-        no room now, or could never hold it, or the id is taken). cancel(seq_id) frees it."""
+        submit(parked=True); with prefix_hashes, kv holds only the tokens after those blocks, which
+        must be in this pool's prefix cache. The future gives None once placed, or why it was refused
+        (the pool has no room now, or could never hold it, the prefix was evicted, the id is taken).
+        cancel(seq_id) frees it."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("park", (seq_id, kv, done)))
+        self._inbox.put(("park", (seq_id, kv, list(prefix_hashes), done)))
         self._wake.set()
         return done
 
@@ -178,7 +209,7 @@ class Engine:
             except queue.Empty:
                 break
             if kind == "park":
-                arg[2].set_result("the engine stopped (the worker is shutting down)")
+                arg[-1].set_result(ParkRefused("stopped", "the engine stopped (the worker is shutting down)"))
             elif kind == "submit":
                 arg.sink(TokenEvent(arg.seq_id, [], "", FinishReason.CANCELLED, error="engine stopped"))
 
@@ -187,7 +218,7 @@ class Engine:
         self._drain_inbox()
         did = False
         try:
-            if self.waiting:
+            if self.waiting or self.prefilling:
                 did = self._place_or_prefill()
             if self.running:
                 self._decode_step()
@@ -220,33 +251,48 @@ class Engine:
             seq.sink(TokenEvent(seq.seq_id, [], "", FinishReason.ERROR,
                                 error=f"sequence id {seq.seq_id!r} is already running"))
             return
+        if self.config.prefix_caching:
+            seq.block_hashes = self.hasher.block_hashes(seq.prompt_ids, self.hasher.chunk_blocks(len(seq.prompt_ids)))
         if seq.parked:
             entry = self._parked.pop(seq.seq_id, None)
-            if entry is None or entry[0] != len(seq.prompt_ids):
+            error = None
+            if entry is None:
+                error = f"no K/V parked for {seq.seq_id!r}"
+            elif entry[0] != len(seq.prompt_ids):
+                error = (f"the K/V parked for {seq.seq_id!r} holds {entry[0]} tokens, the prompt has "
+                         f"{len(seq.prompt_ids)}")
+            elif entry[2] != seq.block_hashes[:len(entry[2])]:
+                error = f"the cached prefix the push of {seq.seq_id!r} named is not this prompt's"
+            if error is not None:
                 if entry is not None:
                     self.pool.free(seq.seq_id)
-                seq.sink(TokenEvent(seq.seq_id, [], "", FinishReason.ERROR, error=(
-                    f"no K/V parked for {seq.seq_id!r}" if entry is None else
-                    f"the K/V parked for {seq.seq_id!r} holds {entry[0]} tokens, the prompt has "
-                    f"{len(seq.prompt_ids)}")))
+                seq.sink(TokenEvent(seq.seq_id, [], "", FinishReason.ERROR, error=error))
                 return
             seq.num_computed = entry[0]
+            self._register(seq)  # its K/V came from prefill chunks: name its full-chunk blocks
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def _park(self, seq_id: str, kv: torch.Tensor, done: concurrent.futures.Future) -> None:
-        num_tokens = kv.shape[2]
+    def _park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes],
+              done: concurrent.futures.Future) -> None:
+        prefix = self.pool.match_prefix(prefix_hashes)
+        start = len(prefix_hashes) * self.pool.block_size
+        num_tokens = start + kv.shape[2]
         if seq_id in self._seqs or seq_id in self._parked:
-            done.set_result(f"K/V for {seq_id!r} is already in this worker's pool")
+            done.set_result(ParkRefused("duplicate", f"K/V for {seq_id!r} is already in this worker's pool"))
+        elif len(prefix) != len(prefix_hashes):
+            done.set_result(ParkRefused("evicted", f"the cached prefix of {len(prefix_hashes)} blocks the push "
+                                                   f"builds on is no longer in this worker's pool: push it all"))
         elif self.pool.blocks_for(num_tokens) > self.pool.num_blocks:
-            done.set_result(self._too_big(num_tokens))
-        elif not self.pool.can_allocate(num_tokens):
-            done.set_result(f"the KV pool has {self.pool.num_free_blocks} free blocks, the K/V of "
-                            f"{num_tokens} tokens needs {self.pool.blocks_for(num_tokens)}")
+            done.set_result(ParkRefused("too_big", self._too_big(num_tokens)))
+        elif not self.pool.can_allocate(num_tokens, prefix):
+            done.set_result(ParkRefused("no_room", f"the KV pool has {self.pool.num_free_blocks} free blocks, the "
+                                                   f"K/V of {num_tokens} tokens needs "
+                                                   f"{self.pool.blocks_for(num_tokens) - len(prefix)} more"))
         else:
-            self.pool.allocate(seq_id, num_tokens)
-            self.runner.cache.import_seq(seq_id, kv)
-            self._parked[seq_id] = (num_tokens, time.monotonic())
+            self.pool.allocate(seq_id, num_tokens, prefix)
+            self.runner.cache.import_seq(seq_id, kv, start)
+            self._parked[seq_id] = (num_tokens, time.monotonic(), prefix_hashes)
             done.set_result(None)
 
     def _unpark(self, seq_id: str) -> None:
@@ -254,18 +300,21 @@ class Engine:
         self.pool.free(seq_id)
 
     def _place_or_prefill(self) -> bool:
-        """Admit waiting sequences: parked or handed-in K/V, or prefill a batch under the token budget."""
-        batch: list[Sequence] = []
-        budget = self.config.max_prefill_tokens
+        admitted = self._admit_waiting()
+        return self._prefill_chunks() or admitted
+
+    def _admit_waiting(self) -> bool:
+        """Admit waiting sequences while the batch has room: parked or handed-in K/V go straight to
+        decoding; others get their blocks (a cached prefix reused) and join the prefills."""
         admitted = False
-        while self.waiting and len(self.running) + len(batch) < self.config.max_running:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running:
             seq = self.waiting[0]
             if seq.num_computed:  # parked: its blocks are already in the pool
                 self.waiting.popleft()
                 self.running.append(seq)
                 admitted = True
                 continue
-            # Room for every token it holds, and for a new sequence the one this prefill samples.
+            # Room for every token it holds, and for a new sequence the one its prefill samples.
             n = seq.num_tokens + (0 if seq.output_ids else 1)
             if self.pool.blocks_for(n) > self.pool.num_blocks:
                 self.waiting.popleft()
@@ -281,36 +330,93 @@ class Engine:
                 self.running.append(seq)
                 admitted = True
                 continue
-            if batch and len(seq.prompt_ids) > budget:
-                break
-            if not self.pool.can_allocate(n):
-                if not batch and not self.running:
-                    self.waiting.popleft()
-                    self._finish(seq, FinishReason.ERROR, error=self._too_big(n))
-                    continue
+            prefix = self._cached_prefix(seq)
+            if not self.pool.can_allocate(n, prefix):
                 break
             self.waiting.popleft()
-            self.pool.allocate(seq.seq_id, n)
-            batch.append(seq)
-            budget -= len(seq.prompt_ids)
-        if not batch:
-            return admitted
-        # The prompt alone, even for a resumed sequence: its completion is replayed by decode rows.
-        logits = self.runner.prefill([PrefillItem(s.seq_id, s.prompt_ids) for s in batch])
-        new = [i for i, s in enumerate(batch) if not s.output_ids]
-        tokens = dict(zip(new, self._sample([batch[i] for i in new], logits[new]))) if new else {}
-        logprobs = self._logprobs(batch, tokens)
+            self.pool.allocate(seq.seq_id, n, prefix)
+            seq.num_computed = seq.num_cached = len(prefix) * self.pool.block_size
+            seq.num_registered = len(prefix)
+            self.num_prompt_tokens += len(seq.prompt_ids)
+            self.num_cached_tokens += seq.num_computed
+            self.prefilling.append(seq)
+            admitted = True
+        return admitted
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The pool's blocks for the longest run of whole chunks of the prompt it already holds, short
+        of the last token (always computed, for its logits)."""
+        if not self.config.prefix_caching:
+            return []
+        blocks = self.pool.match_prefix(seq.block_hashes[:self.hasher.reusable_blocks(len(seq.prompt_ids))])
+        per_chunk = self.hasher.chunk_tokens // self.pool.block_size
+        return blocks[:len(blocks) // per_chunk * per_chunk]
+
+    def _prefill_chunks(self) -> bool:
+        """Run prompt chunks, oldest sequence first, up to the token budget (at least one chunk); a
+        sequence whose last chunk ran gets its first token (the prompt alone, even for a resumed
+        sequence: its completion is replayed by decode rows)."""
+        budget = self.config.max_prefill_tokens
+        chunk = self.hasher.chunk_tokens
+        done: list[tuple[Sequence, torch.Tensor, torch.Tensor]] = []  # (seq, logits, last hidden state)
+        ran = False
+        for seq in list(self.prefilling):
+            logits = hidden = None
+            n = len(seq.prompt_ids)
+            while seq.num_computed < n and (budget > 0 or not ran):
+                start = seq.num_computed
+                end = min(start // chunk * chunk + chunk, n)
+                logits = self.runner.prefill([PrefillItem(seq.seq_id, seq.prompt_ids[start:end], start)])
+                hidden = self.runner.last_hidden
+                seq.num_computed = end
+                budget -= end - start
+                ran = True
+                self._register(seq)
+            if seq.num_computed == n:
+                self.prefilling.remove(seq)
+                done.append((seq, logits, hidden))
+            if budget <= 0:
+                break
+        new = [(seq, logits, hidden) for seq, logits, hidden in done if not seq.output_ids]
+        sampled = self._sample([s for s, _, _ in new], torch.cat([lg for _, lg, _ in new])) if new else []
+        found = self._logprobs([s for s, _, _ in new], dict(enumerate(sampled)),
+                               torch.cat([h for _, _, h in new])) if new else {}
+        tokens = {id(s): tok for (s, _, _), tok in zip(new, sampled)}
+        logprobs = {id(new[i][0]): lp for i, lp in found.items()}
         now = time.perf_counter()
-        for i, seq in enumerate(batch):
-            seq.num_computed = len(seq.prompt_ids)
+        for seq, _, _ in done:
             seq.first_token_s = seq.first_token_s or now
+            tok = tokens.get(id(seq))
             if self.config.prefill_only:
-                self._prefilled(seq, tokens.get(i), logprobs.get(i))
+                self._prefilled(seq, tok, logprobs.get(id(seq)))
             else:
                 self.running.append(seq)
-                if i in tokens:
-                    self._emit(seq, tokens[i], logprobs.get(i))
-        return True
+                if tok is not None:
+                    self._emit(seq, tok, logprobs.get(id(seq)))
+        return ran
+
+    def _register(self, seq: Sequence) -> None:
+        """Name the blocks of the prompt's chunks computed so far, so later prompts can reuse them."""
+        if not seq.block_hashes:
+            return
+        full = min(seq.num_computed // self.hasher.chunk_tokens * self.hasher.chunk_tokens // self.pool.block_size,
+                   len(seq.block_hashes))
+        table = self.pool.block_table(seq.seq_id)
+        per_chunk = self.hasher.chunk_tokens // self.pool.block_size
+        for i in range(seq.num_registered, full):
+            self.pool.register(table[i], seq.block_hashes[i])
+            if (i + 1) % per_chunk == 0:
+                self._chunk_ends.pop(seq.block_hashes[i], None)
+                self._chunk_ends[seq.block_hashes[i]] = None
+        seq.num_registered = max(seq.num_registered, full)
+        if len(self._chunk_ends) > 2 * self.pool.num_blocks // per_chunk + 64:  # forget evicted ones
+            self._chunk_ends = collections.OrderedDict.fromkeys(h for h in self._chunk_ends
+                                                                if self.pool.holds_hash(h))
+
+    def cached_chunk_hashes(self, limit: int = 2048) -> list[bytes]:
+        """The newest whole-chunk prefixes the pool still holds (what cache-aware routing looks for).
+        Safe from other threads: it copies what only the engine thread changes."""
+        return [h for h in list(self._chunk_ends)[-limit:] if self.pool.holds_hash(h)]
 
     def _prefilled(self, seq: Sequence, tok: int | None, logprob: TokenLogprobs | None = None) -> None:
         """prefill_only: hand back the first token and the prompt's K/V; no K/V when that token already
@@ -323,7 +429,8 @@ class Engine:
                 self._finish(seq, seq.output.finish_reason, token_ids=[tok], logprobs=logprobs)
                 return
         kv = self.runner.cache.export_seq(seq.seq_id, len(seq.prompt_ids))
-        self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok], logprobs=logprobs)
+        self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok], logprobs=logprobs,
+                     block_hashes=seq.block_hashes, cached_tokens=seq.num_cached)
 
     def _too_big(self, num_tokens: int) -> str:
         return (f"a sequence of {num_tokens} tokens needs {self.pool.blocks_for(num_tokens)} KV blocks; "
@@ -370,7 +477,7 @@ class Engine:
         # Recompute later: its tokens are kept; its prompt is prefilled again and its completion replayed.
         log.warning("KV pool full: preempting %s (%d tokens) for recompute", seq.seq_id, seq.num_tokens)
         self.pool.free(seq.seq_id)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
@@ -380,15 +487,18 @@ class Engine:
                               [s.output_ids for s in batch])
         return tokens.tolist()
 
-    def _logprobs(self, batch: list[Sequence], tokens: dict[int, int]) -> dict[int, TokenLogprobs]:
+    def _logprobs(self, batch: list[Sequence], tokens: dict[int, int],
+                  hidden: torch.Tensor | None = None) -> dict[int, TokenLogprobs]:
         """Row i -> the logprobs of its sampled token tokens[i], for the rows whose request asks (row i is
-        batch[i] and row i of the runner's last hidden states). Nothing is computed when none asks."""
+        batch[i] and row i of hidden, by default the runner's last hidden states). Nothing is computed
+        when none asks."""
         rows = [i for i in tokens if batch[i].params.logprobs is not None]
         if not rows:
             return {}
         # From the model's raw logits, before temperature and penalties (what vLLM reports by default),
         # with an exact fp32 normaliser: the sampled logits are exact for the best 64 tokens only.
-        log_probs = self.runner.model.log_probs(self.runner.last_hidden[rows])
+        hidden = self.runner.last_hidden if hidden is None else hidden
+        log_probs = self.runner.model.log_probs(hidden[rows])
         found = token_logprobs(log_probs, [tokens[i] for i in rows], [batch[i].params.logprobs for i in rows])
         return dict(zip(rows, found))
 
@@ -403,22 +513,24 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason | None, *, text: str = "",
                 token_ids: list[int] | None = None, error: str | None = None,
-                kv: torch.Tensor | None = None, logprobs: list[TokenLogprobs] | None = None) -> None:
+                kv: torch.Tensor | None = None, logprobs: list[TokenLogprobs] | None = None,
+                block_hashes: list[bytes] | None = None, cached_tokens: int = 0) -> None:
         """The one way out for a sequence: frees its blocks and sends its last event."""
         self.pool.free(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue_ in (self.running, self.prefilling, self.waiting):
+            if seq in queue_:
+                queue_.remove(seq)
+                break
         try:
-            seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv, logprobs=logprobs))
+            seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv, logprobs=logprobs,
+                                block_hashes=block_hashes, cached_tokens=cached_tokens))
         except Exception:
             log.exception("sink of %s failed", seq.seq_id)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        holders = {s.seq_id for s in self.running} | set(self._parked) | {
+        holders = {s.seq_id for s in self.running + self.prefilling} | set(self._parked) | {
             s.seq_id for s in self.waiting if self.pool.holds(s.seq_id)}
         assert self.pool.num_seqs == len(holders), (
             f"KV pool holds {self.pool.num_seqs} sequences; {len(self.running)} are running, "

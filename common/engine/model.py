@@ -22,9 +22,12 @@ class AttnContext:
     slot_mapping: torch.Tensor  # [N] flat KV slot of every input token
     # prefill: tokens of each sequence are contiguous; attention is causal within one.
     prefill_lens: list[int] | None = None
+    # A prefill chunk that continues a sequence (one sequence, its tokens from prefill_start on): it also
+    # attends to the K/V already in the cache, through context_slots (positions 0 .. end-1).
+    prefill_start: int = 0
     # decode: one token per sequence, attending to its whole context through its block table.
-    context_slots: torch.Tensor | None = None  # [B * S] KV slots of each row's context, padded to S
-    attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend
+    context_slots: torch.Tensor | None = None  # decode: [B * S] KV slots of each row's context, padded to S
+    attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend; a continued chunk: [T, end]
     use_int4: bool = False  # decode reads packed 4-bit weights: a quarter of the bytes
 
 
@@ -216,7 +219,9 @@ class Llama(torch.nn.Module):
             new_kv = qkv[:, self.q_size:].view(n, 2, c.num_kv_heads, c.head_dim)
             layer_kv = kv[i]  # [slots, 2, Hkv, D]
             layer_kv.index_copy_(0, ctx.slot_mapping, new_kv)
-            if ctx.prefill_lens is not None:
+            if ctx.prefill_lens is not None and ctx.prefill_start:
+                o = self._chunk_attention(q, layer_kv, ctx)
+            elif ctx.prefill_lens is not None:
                 o = self._prefill_attention(q, new_kv[:, 0], new_kv[:, 1], ctx.prefill_lens)
             else:
                 o = self._decode_attention(q, layer_kv, ctx)
@@ -239,6 +244,18 @@ class Llama(torch.nn.Module):
             outs.append(o[0].transpose(0, 1))  # [T, H, D]
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _chunk_attention(self, q, layer_kv, ctx: AttnContext) -> torch.Tensor:
+        # A chunk after the first: its queries see the sequence's whole K/V so far (cached prefix,
+        # earlier chunks, itself), causally. The same computation whether the prefix was cached or
+        # computed a moment ago, so outputs do not depend on cache hits.
+        c = self.config
+        ctx_kv = layer_kv.index_select(0, ctx.context_slots)  # [end, 2, Hkv, D]
+        k = ctx_kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]
+        v = ctx_kv[:, 1].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=ctx.attn_mask,
+                                           enable_gqa=True)  # [1, H, T, D]
+        return o[0].transpose(0, 1)  # [T, H, D]
 
     def _decode_attention(self, q, layer_kv, ctx: AttnContext) -> torch.Tensor:
         c = self.config

@@ -34,7 +34,8 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 @dataclass
 class PrefillItem:
     seq_id: str
-    token_ids: list[int]  # the tokens to run (the whole prompt)
+    token_ids: list[int]  # the tokens to run: a whole prompt, or one chunk of it
+    start: int = 0  # position of token_ids[0]; the K/V of positions before it is in the cache
 
 
 @dataclass
@@ -96,11 +97,17 @@ class ModelRunner:
         return torch.cat([self.model.logits(row) for row in rows])
 
     def _prefill_one(self, it: PrefillItem) -> torch.Tensor:
-        """The prompt's last hidden state [1, dim] fp32."""
-        n = len(it.token_ids)
-        ctx = AttnContext(slot_mapping=self._tensor(self.cache.slots(self.cache.pool.block_table(it.seq_id), 0, n)),
-                          prefill_lens=[n])
-        hidden = self.model(self._tensor(it.token_ids), self._offsets[:n], ctx, self.cache.kv)
+        """The last hidden state [1, dim] fp32 of the chunk it.token_ids (positions it.start onwards)."""
+        n, start = len(it.token_ids), it.start
+        end = start + n
+        table = self.cache.pool.block_table(it.seq_id)
+        ctx = AttnContext(slot_mapping=self._tensor(self.cache.slots(table, start, end)), prefill_lens=[n],
+                          prefill_start=start)
+        if start:
+            ctx.context_slots = self._tensor(self.cache.slots(table, 0, end))
+            # Query i (position start + i) sees keys 0 .. start + i.
+            ctx.attn_mask = self._offsets[:end][None, :] <= self._offsets[start:end][:, None]  # [n, end]
+        hidden = self.model(self._tensor(it.token_ids), self._offsets[start:end], ctx, self.cache.kv)
         return hidden[-1:]
 
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
@@ -120,10 +127,13 @@ class ModelRunner:
         max_blocks = -(-span // bs)
         bt = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
         # Slots of positions 0..span-1 of every row; past a row's own length they are masked (the mask
-        # is always there: SDPA without one takes another path, whose bits differ).
+        # is always there: SDPA without one takes another path, whose bits differ) and read the
+        # all-zero null slot, whatever the blocks there hold.
         context_slots = (bt[:, :, None] * bs + self._offsets[:bs]).view(len(items), -1)[:, :span]
         lens = self._tensor(ctx_lens)
-        mask = (self._offsets[:span][None, :] < lens[:, None])[:, None, None, :]
+        attend = self._offsets[:span][None, :] < lens[:, None]  # [B, S]
+        context_slots = context_slots.masked_fill(~attend, self.cache.null_slot)
+        mask = attend[:, None, None, :]
         slots = [t[it.position // bs] * bs + it.position % bs for t, it in zip(tables, items)]
         ctx = AttnContext(
             slot_mapping=self._tensor(slots),

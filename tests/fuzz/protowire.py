@@ -6,10 +6,14 @@ mistyped fields, truncated or garbage messages, out-of-range varints and any flo
 input's expected outcome comes from an oracle written against the proto contract (handoff.proto,
 internal.proto): the bytes are parsed locally and checked field by field, so a request the contract
 rejects must get INVALID_ARGUMENT naming the field, a valid one must be served, and nothing may end
-in UNKNOWN, INTERNAL or a hang. After all the fuzzing the cluster must still serve a greedy request
-exactly as before, with every KV block free, no lease left in Redis and every worker thread alive.
+in UNKNOWN, INTERNAL or a hang. Work on a decode worker needs a live lease in Redis: the tests
+reserve as the router would (near-valid requests now and then get none, or one block too few, and
+must then see FAILED_PRECONDITION), release afterwards, and claim every KV push that was accepted.
+After all the fuzzing the cluster must still serve a greedy request exactly as before, with every
+KV block free, no KV parked, no lease left in Redis and every worker thread alive.
 
-Runs as one module (the last test checks the totals): about 1,350 inputs, 70-120 s on a 2-core machine.
+Runs as one package (the last test checks the totals): about 1,350 inputs, 2-2.5 minutes on a
+2-core machine, most of it Router.Generate.
 
 This module holds the shared parts: the protobuf wire encoding, value strategies, the oracle and the judge; tests/fuzz/test_*.py hold one RPC each.
 """
@@ -29,7 +33,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from common import grpc_util
+from common.engine.output import OutputProcessor
 from common.kv_wire import LAYOUT
+from common.wire import sampling_from_pb
 from protos import handoff_pb2, internal_pb2
 
 MAX_SEED = 2**63 - 1
@@ -328,11 +335,12 @@ class Verdict:
     """What the contract allows for one input."""
 
     codes: set[str]
-    hints: tuple[str, ...] = ()  # INVALID_ARGUMENT's details must name one of these
+    hints: tuple[str, ...] = ()  # the details of a hint_code status must name one of these
     why: str = ""
     request: object = None
     prompt_len: int = 0
     max_tokens: int = 0
+    hint_code: str = "INVALID_ARGUMENT"
 
 
 def sampling_violations(s, vocab_size: int) -> list[str]:
@@ -403,13 +411,21 @@ def generate_verdict(raw: bytes, cluster, used_rids: set[str]) -> Verdict:
             bad.append("role")
         elif any(m.role not in ROLES for m in r.messages):
             loose.append("role")  # "whatever roles the model's chat template accepts"
+    # "Non-empty when used": a prompt of characters the vocabulary has no byte tokens for (SmolLM2 has
+    # none for bytes 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, as in its HF tokenizer) is empty once tokenized.
+    # Each distinct character yields a token wherever it stands or none at all, so the distinct ones
+    # tell (a 4 MB prompt need not be tokenized to know).
+    no_tokens = bool(r.prompt) and not r.messages and not tok.encode("".join(set(r.prompt)))
     if r.HasField("max_tokens") and r.max_tokens < 1:
         bad.append("max_tokens")
     bad += sampling_violations(r, model.vocab_size)
     if bad:
         # The router may report a too long prompt or max_tokens first, which only tokenizing would tell.
-        hints = (*bad, *loose, "context", *(["max_tokens"] if r.HasField("max_tokens") and r.max_tokens > 1 else []))
+        hints = (*bad, *loose, "context", *(["max_tokens"] if r.HasField("max_tokens") and r.max_tokens > 1 else []),
+                 *(["prompt"] if no_tokens else []))
         return Verdict({"INVALID_ARGUMENT"}, hints, "violates " + ", ".join(bad), r)
+    if no_tokens:
+        return Verdict({"INVALID_ARGUMENT"}, ("prompt",), "a prompt that encodes to no tokens", r)
     try:
         text = r.prompt or tok.apply_chat_template([{"role": m.role, "content": m.content} for m in r.messages])
         prompt_len = len(tok.encode(text))
@@ -437,6 +453,7 @@ class Outcome:
     details: str
     responses: list
     elapsed_s: float
+    blame: tuple[str, str, str] | None = None  # (role, worker_id, epoch) from handoff-failed-* trailers
 
 
 def call_stream(method, request, timeout: float) -> Outcome:
@@ -447,7 +464,8 @@ def call_stream(method, request, timeout: float) -> Outcome:
             responses.append(msg)
         return Outcome("OK", "", responses, time.monotonic() - t0)
     except grpc.RpcError as exc:
-        return Outcome(exc.code().name, exc.details() or "", responses, time.monotonic() - t0)
+        return Outcome(exc.code().name, exc.details() or "", responses, time.monotonic() - t0,
+                       grpc_util.blamed(exc))
 
 
 def call_unary(method, request, timeout: float) -> Outcome:
@@ -455,7 +473,7 @@ def call_unary(method, request, timeout: float) -> Outcome:
     try:
         return Outcome("OK", "", [method(request, timeout=timeout)], time.monotonic() - t0)
     except grpc.RpcError as exc:
-        return Outcome(exc.code().name, exc.details() or "", [], time.monotonic() - t0)
+        return Outcome(exc.code().name, exc.details() or "", [], time.monotonic() - t0, grpc_util.blamed(exc))
 
 
 def judge(out: Outcome, verdict: Verdict, allowed: set[str], raw: bytes, timeout: float = CALL_TIMEOUT_S,
@@ -470,8 +488,8 @@ def judge(out: Outcome, verdict: Verdict, allowed: set[str], raw: bytes, timeout
     if out.code != "OK":
         assert out.details.strip(), "an error status without a message" + where
         assert "Traceback" not in out.details, "a stack trace in the status" + where
-    if out.code == "INVALID_ARGUMENT" and verdict.hints:
-        assert any(h in out.details for h in verdict.hints), "INVALID_ARGUMENT does not name the field" + where
+    if out.code == verdict.hint_code and verdict.hints:
+        assert any(h in out.details for h in verdict.hints), f"{out.code} does not say which field or why" + where
 
 
 def raw_method(channel, path: str, response_cls, kind: str = "unary_stream"):
@@ -555,16 +573,39 @@ def id_violations(ids, vocab_size: int, max_len: int, name: str) -> list[str]:
     return [name] if not ids or len(ids) > max_len or any(not 0 <= t < vocab_size for t in ids) else []
 
 
-def claim_kv(channels, cluster, rid: str, prompt_ids: list[int], first_token_id: int) -> None:
-    """Take a pushed KV off the decode worker's inbox: a Decode that ends at once (max_tokens 1)."""
+LEASE_TTL_S = 60.0  # longer than any test holds one; each is released as soon as its calls end
+
+
+def reserve(cluster, rid: str, num_tokens: int = 0, *, num_blocks: int = 0) -> int:
+    """Lease the decode worker's KV blocks to rid, as the router does before a Prefill or Decode:
+    enough for num_tokens, or exactly num_blocks. Replaces rid's lease if it has one."""
+    d = cluster.decode[0]
+    num_blocks = num_blocks or d.engine.pool.blocks_for(num_tokens)
+    got = cluster.state.reserve(d.config.worker_id, d.epoch, rid, num_blocks, LEASE_TTL_S)
+    assert got.ok, f"reserving {num_blocks} blocks for {rid!r}: {got}"
+    return num_blocks
+
+
+def release(cluster, rid: str) -> None:
+    cluster.state.release(cluster.decode[0].config.worker_id, rid)
+
+
+def claim_kv(channels, cluster, rid: str, prompt_ids: list[int], output_ids: list[int], attempt: int) -> None:
+    """Take a pushed KV off the decode worker: a Decode of one more token (its replay feeds the pushed
+    KV through the model), under a lease that is released afterwards."""
+    reserve(cluster, rid, len(prompt_ids) + len(output_ids) + 1)
     req = internal_pb2.DecodeRequest(
-        request_id=rid, epoch=cluster.decode[0].epoch, prompt_ids=prompt_ids, first_token_id=first_token_id,
-        sampling=internal_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1, max_tokens=1,
-                                             ignore_eos=True),
-        kv_wait_s=5)
-    out = call_stream(raw_method(channels["decode"], "/handoff.v1.DecodeWorker/Decode", internal_pb2.DecodeEvent),
-                      req.SerializeToString(), CALL_TIMEOUT_S)
-    assert out.code == "OK", f"claiming the KV of {rid}: {out.code} {out.details}"
+        request_id=rid, epoch=cluster.decode[0].epoch, prompt_ids=prompt_ids, output_ids=output_ids,
+        attempt=attempt, kv_wait_s=5,
+        sampling=internal_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1,
+                                             max_tokens=len(output_ids) + 1, ignore_eos=True))
+    try:
+        out = call_stream(raw_method(channels["decode"], "/handoff.v1.DecodeWorker/Decode", internal_pb2.DecodeEvent),
+                          req.SerializeToString(), CALL_TIMEOUT_S)
+    finally:
+        release(cluster, rid)
+    assert out.code == "OK", f"claiming the KV of {rid!r} (attempt {attempt}): {out.code} {out.details}"
+    assert [len(e.token_ids) for e in out.responses] == [1], out.responses
     assert out.responses[-1].finish_reason == handoff_pb2.FINISH_REASON_LENGTH
 
 
@@ -586,14 +627,14 @@ def kv_tensor(fp, num_tokens: int, content: str, seed: int) -> torch.Tensor:
 
 
 def kv_messages(fp, kv: torch.Tensor, *, rid: str, worker_id: str, epoch: str, chunk_bytes: int,
-                reservation_id: str = "") -> list[internal_pb2.KVChunk]:
+                attempt: int = 0, reservation_id: str = "") -> list[internal_pb2.KVChunk]:
     """A well-formed push, as messages (not a lazy iterator) so a test can tamper with them."""
     payload = kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
     num_chunks = -(-len(payload) // chunk_bytes)
     msgs = [internal_pb2.KVChunk(header=internal_pb2.KVHeader(
         request_id=rid, target_worker_id=worker_id, target_epoch=epoch, fingerprint=fp.to_pb(),
         num_tokens=kv.shape[2], total_bytes=len(payload), num_chunks=num_chunks, layout=LAYOUT,
-        reservation_id=reservation_id))]
+        reservation_id=reservation_id, attempt=attempt))]
     for i in range(num_chunks):
         piece = payload[i * chunk_bytes:(i + 1) * chunk_bytes]
         msgs.append(internal_pb2.KVChunk(data=internal_pb2.KVData(index=i, offset=i * chunk_bytes, payload=piece,
@@ -604,3 +645,49 @@ def kv_messages(fp, kv: torch.Tensor, *, rid: str, worker_id: str, epoch: str, c
 def push(channels, messages: list[bytes], timeout: float = CALL_TIMEOUT_S) -> Outcome:
     method = raw_method(channels["kv"], "/handoff.v1.KVTransfer/PushKV", internal_pb2.PushKVReply, "stream_unary")
     return call_unary(method, iter(messages), timeout)
+
+
+def push_kv(channels, cluster, rid: str, kv: torch.Tensor, attempt: int, chunk_bytes: int = 1 << 20) -> Outcome:
+    """A well-formed push of kv for (rid, attempt) to the decode worker; the lease is the caller's."""
+    d = cluster.decode[0]
+    msgs = kv_messages(d.fingerprint(), kv, rid=rid, worker_id=d.config.worker_id, epoch=d.epoch,
+                       chunk_bytes=chunk_bytes, attempt=attempt)
+    return push(channels, [m.SerializeToString() for m in msgs])
+
+
+# The router numbers attempts 1, 2, ...; the field is a uint32 (a wider varint keeps its low 32 bits).
+SANE_ATTEMPT = st.integers(0, 5)
+
+
+WILD_ATTEMPT = st.one_of(st.none(), ANY_VARINT, st.sampled_from([0, 2**32 - 1, 2**32, 2**32 + 1]))
+
+
+def attempt_part(number: int, attempt) -> list[bytes]:
+    return [] if attempt is None else [f_varint(number, attempt)]
+
+
+LEASES = st.sampled_from(["full"] * 6 + ["none", "small"])  # what a near-valid request was reserved
+
+
+def completion_ends(cluster, sampling: internal_pb2.SamplingParams, prompt_len: int, output_ids) -> bool:
+    """Whether output_ids already end the completion (a stop id or string, max_tokens, the context):
+    what the router's OutputProcessor decides for the same tokens, the one judge of where a stream ends."""
+    d = cluster.decode[0]
+    params, _ = sampling_from_pb(sampling, d.model.config.vocab_size)
+    out = OutputProcessor(d.tokenizer, params, prompt_len, d.model.config.max_position)
+    for t in output_ids:
+        out.push(t)
+        if out.finish_reason is not None:
+            return True
+    return False
+
+
+def assert_nothing_parked(cluster, timeout_s: float = 5.0) -> None:
+    """No KV waits in the decode worker for a Decode call: every test claims or refuses what it pushes.
+    (A refused or cancelled claim frees its KV on the engine thread, a moment later.)"""
+    d = cluster.decode[0]
+    deadline = time.monotonic() + timeout_s
+    while d.engine.num_parked or d.inbox.num_parked:
+        assert time.monotonic() < deadline, (f"KV left parked: {d.engine.num_parked} in the engine, "
+                                             f"{d.inbox.num_parked} in the inbox")
+        time.sleep(0.01)

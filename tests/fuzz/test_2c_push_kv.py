@@ -1,4 +1,4 @@
-"""Fuzzing KVTransfer.PushKV: well-formed pushes and 30-odd kinds of tampering."""
+"""Fuzzing KVTransfer.PushKV: well-formed pushes, 30-odd kinds of tampering, and the lease each needs."""
 from __future__ import annotations
 
 import zlib
@@ -7,14 +7,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decode_svc.worker import seq_key
 from protos import internal_pb2
 from tests.fuzz.protowire import (
+    CALL_TIMEOUT_S,
     FUZZ,
     INPUTS,
     KV_CONTENTS,
+    LEASES,
     MAX_INTERNAL_MESSAGE_BYTES,
     WORKER_CODES,
     Verdict,
+    assert_nothing_parked,
+    call_stream,
     claim_kv,
     f_len,
     f_varint,
@@ -22,6 +27,9 @@ from tests.fuzz.protowire import (
     kv_messages,
     kv_tensor,
     push,
+    raw_method,
+    release,
+    reserve,
     unique_id,
 )
 
@@ -49,9 +57,14 @@ def push_specs(draw):
     benign = draw(st.lists(BENIGN, max_size=2, unique=True))
     if not harmful and not benign and draw(st.booleans()):
         harmful = [draw(HARMFUL)]
-    return dict(num_tokens=draw(st.integers(1, 8)), chunk_bytes=draw(st.sampled_from([1 << 20, 65536, 10_007, 4096])),
+    # Past one block (16 tokens) now and then, so that a lease can be one block too small.
+    num_tokens = draw(st.one_of(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8), st.integers(17, 40)))
+    return dict(num_tokens=num_tokens, chunk_bytes=draw(st.sampled_from([1 << 20, 65536, 10_007, 4096])),
                 content=draw(KV_CONTENTS), seed=draw(st.integers(0, 2**31)), harmful=harmful, benign=benign,
-                pick=draw(st.randoms(use_true_random=False)), junk=draw(st.binary(min_size=1, max_size=32)))
+                pick=draw(st.randoms(use_true_random=False)), junk=draw(st.binary(min_size=1, max_size=32)),
+                attempt=draw(st.one_of(st.integers(0, 5), st.integers(0, 2**32 - 1))), lease=draw(LEASES),
+                # The push comes after its attempt's Decode call ended (it waited in vain): refused, CANCELLED.
+                decode_ended=draw(st.integers(0, 7)) == 0)
 
 
 def tamper(s: dict, msgs: list[internal_pb2.KVChunk], fp, pool_tokens: int) -> tuple[list[bytes], list[str]]:
@@ -169,25 +182,66 @@ def tamper(s: dict, msgs: list[internal_pb2.KVChunk], fp, pool_tokens: int) -> t
     return raw, applied
 
 
+def end_decode(channels, cluster, rid: str, num_tokens: int, attempt: int) -> None:
+    """A Decode call for (rid, attempt) that waits 50 ms for KV that does not come, and ends."""
+    d = cluster.decode[0]
+    req = internal_pb2.DecodeRequest(
+        request_id=rid, epoch=d.epoch, prompt_ids=[1] * num_tokens, output_ids=[2], attempt=attempt, kv_wait_s=0.05,
+        sampling=internal_pb2.SamplingParams(temperature=0, top_p=1, repetition_penalty=1, max_tokens=2))
+    out = call_stream(raw_method(channels["decode"], "/handoff.v1.DecodeWorker/Decode", internal_pb2.DecodeEvent),
+                      req.SerializeToString(), CALL_TIMEOUT_S)
+    assert out.code == "UNAVAILABLE" and "did not arrive" in out.details, out
+
+
+def push_verdict(s: dict, applied: list[str], num_blocks: int, need: int) -> Verdict:
+    why = f"mutations {applied} + {s['benign']}, a lease of {num_blocks} blocks for {need}"
+    if applied:
+        return Verdict(WORKER_CODES - {"OK"}, why=why)
+    if num_blocks == 0:
+        return Verdict({"FAILED_PRECONDITION"}, ("no live reservation",), why, hint_code="FAILED_PRECONDITION")
+    if num_blocks < need:
+        return Verdict({"FAILED_PRECONDITION"}, (f"reserved {num_blocks} KV blocks",), why,
+                       hint_code="FAILED_PRECONDITION")
+    if s["decode_ended"]:
+        return Verdict({"CANCELLED"}, ("Decode call ended",), why, hint_code="CANCELLED")
+    return Verdict({"OK"}, why=why)
+
+
 @settings(FUZZ, max_examples=260)
 @given(s=push_specs())
 def test_fuzz_push_kv(cluster, channels, baseline, s):
     d = cluster.decode[0]
     fp = d.fingerprint()
-    rid = unique_id("kv")
-    kv = kv_tensor(fp, s["num_tokens"], s["content"], s["seed"])
-    msgs = kv_messages(fp, kv, rid=rid, worker_id=d.config.worker_id, epoch=d.epoch, chunk_bytes=s["chunk_bytes"])
     pool = d.engine.pool
+    rid = unique_id("kv")
+    n, attempt = s["num_tokens"], s["attempt"]
+    kv = kv_tensor(fp, n, s["content"], s["seed"])
+    msgs = kv_messages(fp, kv, rid=rid, worker_id=d.config.worker_id, epoch=d.epoch, chunk_bytes=s["chunk_bytes"],
+                       attempt=attempt)
     raw, applied = tamper(s, msgs, fp, pool.num_blocks * pool.block_size)
-    INPUTS["push_kv"] += 1
-    out = push(channels, raw)
-    verdict = Verdict({"OK"} if not applied else WORKER_CODES - {"OK"}, why=f"mutations {applied} + {s['benign']}")
-    judge(out, verdict, WORKER_CODES, b"".join(raw[:3])[:200] + f" ... {applied}".encode(), rpc="push_kv")
-    if out.code == "OK":
-        reply = out.responses[0]
-        assert (reply.request_id, reply.num_tokens, reply.kv_bytes) == (rid, s["num_tokens"],
-                                                                        fp.kv_bytes(s["num_tokens"]))
-        claim_kv(channels, cluster, rid, [1] * s["num_tokens"], 2)
-    else:
-        # A rejected push leaves nothing behind: the Decode for it must not find any KV.
-        assert rid not in d.inbox._parked, f"rejected push of {rid} was parked anyway ({applied})"
+    need = pool.blocks_for(n)
+    # A Decode that ended first held a lease for its prompt and the token after it.
+    num_blocks = (pool.blocks_for(n + 1) if s["decode_ended"] else
+                  {"full": need, "none": 0, "small": need - 1}[s["lease"]])
+    try:
+        if num_blocks:
+            reserve(cluster, rid, num_blocks=num_blocks)
+        if s["decode_ended"]:
+            end_decode(channels, cluster, rid, n, attempt)
+        INPUTS["push_kv"] += 1
+        out = push(channels, raw)
+        release(cluster, rid)
+        judge(out, push_verdict(s, applied, num_blocks, need), WORKER_CODES,
+              b"".join(raw[:3])[:200] + f" ... {applied}".encode(), rpc="push_kv")
+        if out.code == "OK":
+            reply = out.responses[0]
+            assert (reply.request_id, reply.num_tokens, reply.kv_bytes) == (rid, n, fp.kv_bytes(n))
+            claim_kv(channels, cluster, rid, [1] * n, [2], attempt)
+    except BaseException:
+        # A failed example must leave nothing behind, or every later one fails too (and shrinking with it).
+        release(cluster, rid)
+        d.inbox.cancel(seq_key(rid, attempt))
+        raise
+    # A rejected push leaves nothing behind: no KV parked, every block of the pool free again.
+    assert_nothing_parked(cluster)
+    assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_used_blocks} KV blocks still used ({applied})"

@@ -14,11 +14,17 @@ pytestmark = pytest.mark.timeout(600)  # a hang is one of the failures looked fo
 
 
 def wait_idle(cluster, timeout_s: float = 15.0) -> None:
-    """Every pool all-free and consistent, and no lease left in Redis."""
+    """Every pool all-free and consistent, no KV parked, and no lease left in Redis."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             cluster.check_integrity()
+            for w in cluster.decode:
+                # The sweep drops only KV older than the KV wait (30 s): anything parked now was leaked
+                # by a push nobody claimed, and must not be there.
+                w.inbox.sweep()
+                assert w.engine.num_parked == 0 and w.inbox.num_parked == 0, \
+                    f"{w.config.worker_id}: KV of {w.engine.num_parked} pushes left parked"
             for w in cluster.decode + cluster.prefill:
                 pool = w.engine.pool
                 assert pool.num_free_blocks == pool.num_blocks, \
