@@ -22,6 +22,7 @@ from decode_svc.worker import DecodeWorker
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2_grpc
 from common.worker import WorkerConfig
 from router.cluster import Cluster
+from tests.conftest import wait_idle
 
 PROMPTS = [
     "The quick brown fox",
@@ -50,24 +51,6 @@ def stub(cluster):
 def generate(stub, timeout=120, **fields):
     msgs = list(stub.Generate(handoff_pb2.GenerateRequest(**fields), timeout=timeout))
     return msgs, [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
-
-
-def wait_idle(cluster, timeout_s=10.0):
-    """Every decode pool all-free and consistent, and no lease left in Redis."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            cluster.check_integrity()
-            for w in cluster.decode:
-                assert w.engine.pool.num_free_blocks == w.engine.pool.num_blocks, \
-                    f"{w.config.worker_id}: {w.engine.pool.num_used_blocks} KV blocks still used"
-                leases = cluster.state.reservations(w.config.worker_id)
-                assert not leases, f"{w.config.worker_id}: reservations left in Redis: {leases}"
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def engine_alone_greedy(cluster, prompt_ids, max_tokens):

@@ -20,6 +20,7 @@ from common.state import RequestState, StateStore
 from protos import handoff_pb2, handoff_pb2_grpc
 from router import openai_api
 from router.cluster import Cluster
+from tests.conftest import wait_idle
 from router.config import RouterConfig
 from router.server import RouterServer
 
@@ -56,23 +57,6 @@ def grpc_generate(stub, **fields) -> list[handoff_pb2.GenerateResponse]:
 
 def ids_of(msgs) -> list[int]:
     return [t for m in msgs for t in m.token_ids]
-
-
-def wait_idle(cluster, timeout_s: float = 10.0) -> None:
-    """The decode pool all free and consistent, no lease left in Redis."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            cluster.check_integrity()
-            for w in cluster.decode:
-                assert w.engine.pool.num_free_blocks == w.engine.pool.num_blocks, \
-                    f"{w.config.worker_id}: {w.engine.pool.num_used_blocks} KV blocks still used"
-                assert not cluster.state.reservations(w.config.worker_id)
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def wait_state(cluster, request_id: str, state: RequestState, timeout_s: float = 10.0) -> dict:

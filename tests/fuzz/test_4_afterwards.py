@@ -1,43 +1,15 @@
 """After all the fuzzing (runs last, by its name): the cluster serves exactly as before, nothing leaked."""
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.state import TERMINAL_STATES
+from tests.conftest import wait_idle
 from tests.fuzz.protowire import ACCEPTED_RIDS, INPUTS, OUTCOMES, greedy
 
 pytestmark = pytest.mark.timeout(600)  # a hang is one of the failures looked for: end it
-
-
-def wait_idle(cluster, timeout_s: float = 15.0) -> None:
-    """Every pool all-free and consistent, no KV parked, and no lease left in Redis."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            cluster.check_integrity()
-            for w in cluster.decode:
-                # The sweep drops only KV older than the KV wait (30 s): anything parked now was leaked
-                # by a push nobody claimed, and must not be there.
-                w.inbox.sweep()
-                assert w.engine.num_parked == 0 and w.inbox.num_parked == 0, \
-                    f"{w.config.worker_id}: KV of {w.engine.num_parked} pushes left parked"
-            for w in cluster.decode + cluster.prefill:
-                pool = w.engine.pool
-                assert pool.num_free_blocks == pool.num_blocks, \
-                    f"{w.config.worker_id}: {pool.num_used_blocks} KV blocks still used"
-                assert w.engine.num_active == 0, f"{w.config.worker_id}: {w.engine.num_active} sequences left"
-            for w in cluster.decode:
-                leases = cluster.state.reservations(w.config.worker_id)
-                assert not leases, f"{w.config.worker_id}: reservations left in Redis: {leases}"
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def test_cluster_survives_fuzzing(cluster, channels, baseline):
