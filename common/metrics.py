@@ -24,6 +24,9 @@ ROUTER_WAITING = Gauge("handoff_router_waiting_requests", "Requests waiting for 
 RETRIES = Counter("handoff_router_retries_total", "Attempts re-run on another worker", ["reason"])
 HTTP_RESPONSES = Counter("handoff_router_http_responses_total", "OpenAI-compatible HTTP API answers by route and "
                          "status (499: the client left first)", ["route", "status"])
+PLACEMENT = Counter("handoff_router_prefill_placement_total",
+                    "Where attempts prefilled their prompt: on a prefill worker (remote) or on the decode worker "
+                    "(local: colocated, or conditional below its threshold)", ["placement"])
 ROUTED = Counter("handoff_router_prefill_choices_total",
                  "Prefill worker choices: for its cached prefix (cache) or its load (load)", ["choice"])
 

@@ -150,7 +150,9 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
         cfg = w.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
         prompt = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
-        output = check_token_ids(request.output_ids, cfg.vocab_size, cfg.max_position - len(prompt), "output_ids")
+        # Colocated, a new request has no completion yet; otherwise prefill sampled its first token.
+        output = [] if request.prefill_here and not request.output_ids else check_token_ids(
+            request.output_ids, cfg.vocab_size, cfg.max_position - len(prompt), "output_ids")
         # NaN would make the KV wait below endless; a negative wait is a caller's bug, not a timeout.
         if not (math.isfinite(request.kv_wait_s) and request.kv_wait_s >= 0):
             raise ValueError(f"kv_wait_s must be a finite number of seconds > 0 (0: this worker's "
@@ -164,24 +166,19 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
                                f"{rid} may need KV for {num_tokens} tokens (prompt_ids + max_tokens), more "
                                f"than this worker's whole pool of {pool.num_blocks * pool.block_size}; "
                                f"lower max_tokens")
-        w.check_lease(rid, len(prompt) + len(output))
+        # A new colocated sequence also needs the slot of the token its prefill samples.
+        w.check_lease(rid, len(prompt) + max(len(output), 1))
         # Whatever ends this call (client gone, deadline), the KV must not be admitted later.
         context.add_callback(lambda: (w.inbox.cancel(key), w.engine.cancel(key)))
-        wait_s = min(request.kv_wait_s or w.config.kv_wait_s, context.time_remaining() or w.config.kv_wait_s)
         t0 = time.perf_counter()
-        kv_len = w.inbox.take(key, wait_s, context.is_active)
-        if kv_len is None:
+        if not request.prefill_here:
+            self._wait_kv(rid, key, len(prompt), request.kv_wait_s, context)
             if not context.is_active():
                 return
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"the KV of {rid} did not arrive within {wait_s:.1f} s; the prefill "
-                               f"worker may have failed, retry the request")
-        if kv_len != len(prompt):
-            w.engine.cancel(key)  # it is ours now: free it (the engine would refuse it as its own ERROR)
-            raise ValueError(f"the KV pushed for {rid} holds {kv_len} tokens, prompt_ids has {len(prompt)}")
         kv_wait_s = time.perf_counter() - t0
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        w.engine.submit(key, prompt, params, events.put, seed=seed, output_ids=output, parked=True)
+        w.engine.submit(key, prompt, params, events.put, seed=seed, output_ids=output,
+                        parked=not request.prefill_here)
         t_start = time.perf_counter()
         first = True
         while True:
@@ -213,6 +210,22 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
             yield msg
             if finish is not None:
                 return
+
+
+    def _wait_kv(self, rid: str, key: str, prompt_len: int, kv_wait_s: float, context) -> None:
+        """Until the push of this attempt is in the pool (returns at once if the call ended)."""
+        w = self.w
+        wait_s = min(kv_wait_s or w.config.kv_wait_s, context.time_remaining() or w.config.kv_wait_s)
+        kv_len = w.inbox.take(key, wait_s, context.is_active)
+        if kv_len is None:
+            if not context.is_active():
+                return
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"the KV of {rid} did not arrive within {wait_s:.1f} s; the prefill "
+                               f"worker may have failed, retry the request")
+        if kv_len != prompt_len:
+            w.engine.cancel(key)  # it is ours now: free it (the engine would refuse it as its own ERROR)
+            raise ValueError(f"the KV pushed for {rid} holds {kv_len} tokens, prompt_ids has {prompt_len}")
 
 
 class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):

@@ -216,12 +216,40 @@ class GenerateCall:
             r.leases.hold(self.rid, lease.worker.worker_id, lease.worker.epoch, lease.num_blocks,
                           self._on_lease_lost)
         dw = self.lease.worker
+        if self._prefill_here(exclude):
+            metrics.PLACEMENT.labels("local").inc()
+            with r.channels.use(dw.address) as decode_ch:
+                return (yield from self._relay_local(attempt, dw, decode_ch, deadline))
         pw, _ = r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
+        metrics.PLACEMENT.labels("remote").inc()
         try:
             with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
                 return (yield from self._relay(attempt, pw, dw, prefill_ch, decode_ch, deadline))
         finally:
             r.picker.done_prefill(pw.worker_id)
+
+    def _prefill_here(self, exclude: Excluded) -> bool:
+        """Prefill on the decode worker? Colocated: always. Conditional: when the prompt is too short for
+        the KV transfer to pay, or no prefill worker is left to take it (the decode worker can)."""
+        mode = self.r.config.prefill_mode
+        if mode != "conditional":
+            return mode == "colocated"
+        if len(self.req.prompt_ids) < self.r.config.remote_prefill_min_tokens:
+            return True
+        return not self.r.picker.has_prefill(exclude)
+
+    def _relay_local(self, attempt: int, dw, decode_ch: grpc.Channel, deadline: float):
+        """One colocated attempt: the decode worker prefills the prompt (replaying what a resumed request
+        already has, as after a push) and streams every token, the first included."""
+        r, req = self.r, self.req
+        self._record(RequestState.PREFILLING, prefill_worker=dw.worker_id, decode_worker=dw.worker_id,
+                     attempt=attempt, prefill_placement="local")
+        decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
+            internal_pb2.DecodeRequest(
+                request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
+                attempt=attempt, sampling=sampling_to_pb(req.params, req.seed), prefill_here=True),
+            timeout=self._timeout(deadline)))
+        return (yield from self._relay_decode(decode_call, dw, deadline, prefilled_here=True))
 
     def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.Channel, decode_ch: grpc.Channel, deadline: float):
         """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client.
@@ -232,7 +260,7 @@ class GenerateCall:
         sampling = sampling_to_pb(req.params, req.seed)
         resumed = list(self.generated)
         self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id,
-                     attempt=attempt)
+                     attempt=attempt, prefill_placement="remote")
         prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(prefill_ch).Prefill(
             internal_pb2.PrefillRequest(
                 request_id=self.rid, prompt_ids=req.prompt_ids, sampling=sampling, output_ids=resumed,
@@ -263,10 +291,17 @@ class GenerateCall:
         self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
                      transfer_s=round(done.transfer_done.transfer_s, 6),
                      skipped_tokens=done.transfer_done.skipped_tokens)
+        return (yield from self._relay_decode(decode_call, dw, deadline))
+
+    def _relay_decode(self, decode_call, dw, deadline: float, prefilled_here: bool = False):
+        """Relay the decode stream's tokens until the output processor ends the request."""
         while True:
             ev = self._next(decode_call, dw, deadline)
             if ev is None:
                 raise _AttemptFailed("decode", dw.worker_id, dw.epoch, "stream ended without a finish reason")
+            if prefilled_here:
+                prefilled_here = False
+                self._record(RequestState.DECODING)  # the decode worker's prefill is done
             msg = self._push(list(ev.token_ids), ev.logprobs)
             if msg is not None:
                 yield msg
