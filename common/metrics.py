@@ -34,6 +34,9 @@ ROUTED = Counter("handoff_router_prefill_choices_total",
 PREFILL_QUEUE = Gauge("handoff_prefill_queue_depth", "Prompts waiting or running prefill", ["worker"])
 PREFILL_SECONDS = Histogram("handoff_prefill_seconds", "Prefill compute time of one request", ["worker"],
                             buckets=_LATENCY_BUCKETS)
+DECODE_SESSION_MESSAGES = Counter("handoff_decode_session_messages_total",
+                                  "DecodeSession messages sent to routers (each carries the new tokens of every "
+                                  "request of the session from at most one engine step)", ["worker"])
 DECODE_RUNNING = Gauge("handoff_decode_running_streams", "Sequences in the decode batch", ["worker"])
 DECODE_WAITING = Gauge("handoff_decode_waiting", "Sequences waiting for KV or admission", ["worker"])
 KV_BLOCKS_USED = Gauge("handoff_decode_kv_blocks_used", "KV blocks in use", ["worker"])

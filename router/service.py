@@ -17,6 +17,7 @@ from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grp
 from router.config import RouterConfig
 from router.leases import LeaseKeeper
 from router.picker import Excluded, Lease, WorkerPicker
+from router.sessions import DecodeSessions
 from router.validate import RequestValidator, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,13 @@ class Router:
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
         self.channels = grpc_util.ChannelCache(credentials=security.channel_credentials(config.tls),
                                                server_name=config.tls.server_name)
+        # Decode streams: one DecodeSession per decode worker carries all of this router's requests there.
+        self.sessions = DecodeSessions(credentials=security.channel_credentials(config.tls),
+                                       server_name=config.tls.server_name)
 
     def close(self) -> None:
         self.leases.close()
+        self.sessions.close()
         self.channels.close()
 
 
@@ -218,13 +223,12 @@ class GenerateCall:
         dw = self.lease.worker
         if self._prefill_here(exclude):
             metrics.PLACEMENT.labels("local").inc()
-            with r.channels.use(dw.address) as decode_ch:
-                return (yield from self._relay_local(attempt, dw, decode_ch, deadline))
+            return (yield from self._relay_local(attempt, dw, deadline))
         pw, _ = r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
         metrics.PLACEMENT.labels("remote").inc()
         try:
-            with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
-                return (yield from self._relay(attempt, pw, dw, prefill_ch, decode_ch, deadline))
+            with r.channels.use(pw.address) as prefill_ch:
+                return (yield from self._relay(attempt, pw, dw, prefill_ch, deadline))
         finally:
             r.picker.done_prefill(pw.worker_id)
 
@@ -238,20 +242,27 @@ class GenerateCall:
             return True
         return not self.r.picker.has_prefill(exclude)
 
-    def _relay_local(self, attempt: int, dw, decode_ch: grpc.Channel, deadline: float):
+    def _relay_local(self, attempt: int, dw, deadline: float):
         """One colocated attempt: the decode worker prefills the prompt (replaying what a resumed request
         already has, as after a push) and streams every token, the first included."""
-        r, req = self.r, self.req
         self._record(RequestState.PREFILLING, prefill_worker=dw.worker_id, decode_worker=dw.worker_id,
                      attempt=attempt, prefill_placement="local")
-        decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
-            internal_pb2.DecodeRequest(
-                request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
-                attempt=attempt, sampling=sampling_to_pb(req.params, req.seed), prefill_here=True),
-            timeout=self._timeout(deadline)))
+        decode_call = self._start_decode(dw, attempt, deadline, prefill_here=True)
         return (yield from self._relay_decode(decode_call, dw, deadline, prefilled_here=True))
 
-    def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.Channel, decode_ch: grpc.Channel, deadline: float):
+    def _start_decode(self, dw, attempt: int, deadline: float, prefill_here: bool = False):
+        """The attempt's decode stream, on this router's session with dw. Stop strings stay here: the
+        router detokenizes once and cancels the request when one appears, so the decode worker does
+        no text work."""
+        r, req = self.r, self.req
+        sampling = sampling_to_pb(req.params, req.seed)
+        del sampling.stop[:]
+        return self._track(r.sessions.start(dw, internal_pb2.DecodeRequest(
+            request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
+            attempt=attempt, sampling=sampling, kv_wait_s=0 if prefill_here else r.config.kv_wait_s,
+            prefill_here=prefill_here), deadline))
+
+    def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.Channel, deadline: float):
         """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client.
 
         A resumed attempt (tokens already streamed) prefills the prompt alone; the decode worker
@@ -280,11 +291,7 @@ class GenerateCall:
             if self.out.finish_reason is not None:
                 return self.out.finish_reason
         self._record(RequestState.TRANSFERRING, **prefill_fields)
-        decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
-            internal_pb2.DecodeRequest(
-                request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
-                attempt=attempt, sampling=sampling, kv_wait_s=r.config.kv_wait_s),
-            timeout=self._timeout(deadline)))
+        decode_call = self._start_decode(dw, attempt, deadline)
         done = self._next(prefill_call, pw, deadline)
         if done is None or not done.HasField("transfer_done"):
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
