@@ -48,37 +48,43 @@ class SessionCall:
         self.key = (request_id, attempt)
         self.deadline = deadline
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # DecodeEvent | SessionError
-        self._done = False
+        self._closed = False  # no longer routed to (ended, failed or cancelled)
+        self._finished = False  # its last DecodeEvent was returned
+        self._error: SessionError | None = None  # raised again by every later next(), as gRPC does
 
     def __iter__(self):
         return self
 
     def __next__(self) -> internal_pb2.DecodeEvent:
-        if self._done:
+        if self._finished:
             raise StopIteration
+        if self._error is not None:
+            raise self._error
         try:
             item = self.events.get(timeout=max(0.0, self.deadline - time.monotonic()))
         except queue.Empty:
             self.cancel()
-            raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
+            item = SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         if isinstance(item, SessionError):
-            self._end()
+            self._error = item
+            self._close()
             raise item
         if item.HasField("finish_reason"):
-            self._end()
+            self._finished = True
+            self._close()
         return item
 
     def cancel(self) -> None:
         """Stop the request on the decode worker (its KV is freed there); next() then raises CANCELLED."""
-        if self._done:
+        if self._closed:
             return
-        self._end()
+        self._close()
         self.session.send(internal_pb2.SessionRequest(cancel=internal_pb2.SessionCancel(
             request_id=self.key[0], attempt=self.key[1])))
         self.events.put(SessionError(grpc.StatusCode.CANCELLED, "cancelled"))
 
-    def _end(self) -> None:
-        self._done = True
+    def _close(self) -> None:
+        self._closed = True
         self.session.forget(self)
 
 
