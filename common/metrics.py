@@ -24,6 +24,9 @@ ROUTER_WAITING = Gauge("handoff_router_waiting_requests", "Requests waiting for 
 RETRIES = Counter("handoff_router_retries_total", "Attempts re-run on another worker", ["reason"])
 HTTP_RESPONSES = Counter("handoff_router_http_responses_total", "OpenAI-compatible HTTP API answers by route and "
                          "status (499: the client left first)", ["route", "status"])
+PLACEMENT = Counter("handoff_router_prefill_placement_total",
+                    "Where attempts prefilled their prompt: on a prefill worker (remote) or on the decode worker "
+                    "(local: colocated, or conditional below its threshold)", ["placement"])
 ROUTED = Counter("handoff_router_prefill_choices_total",
                  "Prefill worker choices: for its cached prefix (cache) or its load (load)", ["choice"])
 
@@ -31,6 +34,9 @@ ROUTED = Counter("handoff_router_prefill_choices_total",
 PREFILL_QUEUE = Gauge("handoff_prefill_queue_depth", "Prompts waiting or running prefill", ["worker"])
 PREFILL_SECONDS = Histogram("handoff_prefill_seconds", "Prefill compute time of one request", ["worker"],
                             buckets=_LATENCY_BUCKETS)
+DECODE_SESSION_MESSAGES = Counter("handoff_decode_session_messages_total",
+                                  "DecodeSession messages sent to routers (each carries the new tokens of every "
+                                  "request of the session from at most one engine step)", ["worker"])
 DECODE_RUNNING = Gauge("handoff_decode_running_streams", "Sequences in the decode batch", ["worker"])
 DECODE_WAITING = Gauge("handoff_decode_waiting", "Sequences waiting for KV or admission", ["worker"])
 KV_BLOCKS_USED = Gauge("handoff_decode_kv_blocks_used", "KV blocks in use", ["worker"])

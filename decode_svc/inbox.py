@@ -25,6 +25,8 @@ class KVInbox:
         self._cond = threading.Condition()
         self._arrived: dict[str, tuple[float, int]] = {}  # key -> (monotonic arrival, num_tokens)
         self._cancelled: dict[str, float] = {}
+        # key -> (monotonic deadline, callback) of take_async() calls still waiting
+        self._waiters: dict[str, tuple[float, Callable[[int | None], None]]] = {}
 
     def accepting(self, key: str) -> bool:
         """Whether a push for key may still be parked (checked before placing it in the pool)."""
@@ -37,9 +39,13 @@ class KVInbox:
         with self._cond:
             if key in self._cancelled or key in self._arrived:
                 return False
-            self._arrived[key] = (time.monotonic(), num_tokens)
-            self._cond.notify_all()
-            return True
+            waiter = self._waiters.pop(key, None)
+            if waiter is None:
+                self._arrived[key] = (time.monotonic(), num_tokens)
+                self._cond.notify_all()
+                return True
+        waiter[1](num_tokens)
+        return True
 
     def take(self, key: str, timeout_s: float, is_active=lambda: True) -> int | None:
         """Wait for the key's K/V; its number of tokens once it is parked (it is the caller's now),
@@ -55,13 +61,27 @@ class KVInbox:
                     return None
                 self._cond.wait(min(remaining, 0.1))
 
+    def take_async(self, key: str, timeout_s: float, callback: Callable[[int | None], None]) -> None:
+        """take() without a waiting thread: callback(num_tokens) once the key's K/V is parked (on the
+        thread that parks it, or on this one if it already is), callback(None) once timeout_s has passed
+        (seen by sweep()) or the key is cancelled."""
+        with self._cond:
+            entry = self._arrived.pop(key, None)
+            if entry is None:
+                self._waiters[key] = (time.monotonic() + timeout_s, callback)
+                return
+        callback(entry[1])
+
     def cancel(self, key: str) -> None:
         """The key's Decode call ended: drop what is parked for it and refuse what comes later."""
         with self._cond:
             parked = self._arrived.pop(key, None) is not None
+            waiter = self._waiters.pop(key, None)
             self._cancelled[key] = time.monotonic()
         if parked:
             self._drop(key)
+        if waiter is not None:
+            waiter[1](None)
 
     def sweep(self) -> None:
         """Drop K/V unclaimed for ttl_s, and forget old tombstones."""
@@ -73,8 +93,12 @@ class KVInbox:
             for key, t in list(self._cancelled.items()):
                 if now - t > self.ttl_s:
                     del self._cancelled[key]
+            expired = [self._waiters.pop(key)[1] for key, (deadline, _) in list(self._waiters.items())
+                       if now >= deadline]
         for key in stale:
             self._drop(key)
+        for callback in expired:
+            callback(None)
 
     @property
     def num_parked(self) -> int:

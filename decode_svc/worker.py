@@ -5,6 +5,7 @@ import logging
 import math
 import queue
 import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -12,6 +13,7 @@ from grpc_health.v1 import health_pb2_grpc
 from common import grpc_util, metrics
 from common.engine.engine import EngineConfig, TokenEvent
 from common.engine.output import FinishReason
+from common.engine.sampling import SamplingParams
 from common.engine.planner import plan
 from common.grpc_util import ServiceError
 from common.kv_wire import MAX_PREFIX_BLOCKS, KVReceiver, KVTransferError
@@ -19,6 +21,7 @@ from common.state import StateUnavailable, WorkerInfo
 from common.wire import FINISH_TO_PB, check_request_id, check_token_ids, logprobs_to_pb, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox
+from decode_svc.session import DecodeSession, PendingEvent
 from protos import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,20 @@ _KV_ERROR_CODES = {
     "checksum": grpc.StatusCode.DATA_LOSS,
     "truncated": grpc.StatusCode.DATA_LOSS,
 }
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """A checked Decode request: what the engine is given."""
+
+    request_id: str
+    key: str  # the engine's sequence id (seq_key)
+    prompt: list[int]
+    output: list[int]  # the completion so far (its K/V is replayed)
+    params: SamplingParams
+    seed: int
+    prefill_here: bool  # colocated: prefill the prompt here, no push to wait for
+    kv_wait_s: float  # how long to wait for the push
 
 
 def seq_key(request_id: str, attempt: int) -> str:
@@ -57,9 +74,11 @@ class DecodeWorker(WorkerBase):
         return max(1, p.num_blocks)
 
     def _engine_config(self) -> EngineConfig:
+        # No text work per token: the router detokenizes once (stop strings, when a caller sends them
+        # in a Decode call, still get the text they need).
         return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running,
                             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
-                            prefix_caching=self.config.prefix_caching)
+                            prefix_caching=self.config.prefix_caching, detokenize=False)
 
     def max_rpcs(self) -> int:
         # Every Decode stream and every push holds a lease of at least one block, so the pool bounds
@@ -111,6 +130,49 @@ class DecodeWorker(WorkerBase):
         max_tokens = min(self.model.config.max_position, pool.num_blocks * pool.block_size) - 1
         return self.fingerprint().kv_bytes(max_tokens)
 
+    def check_decode(self, request: internal_pb2.DecodeRequest) -> DecodeJob:
+        """A Decode request checked against this worker (epoch, model, pool, lease): what to submit."""
+        rid = check_request_id(request.request_id)
+        if request.epoch != self.epoch:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"Decode for {rid} addressed to epoch {request.epoch!r}, this worker runs "
+                               f"epoch {self.epoch!r} (it restarted); reserve again")
+        cfg = self.model.config
+        params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
+        prompt = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
+        # Colocated, a new request has no completion yet; otherwise prefill sampled its first token.
+        output = [] if request.prefill_here and not request.output_ids else check_token_ids(
+            request.output_ids, cfg.vocab_size, cfg.max_position - len(prompt), "output_ids")
+        # NaN would make the KV wait endless; a negative wait is a caller's bug, not a timeout.
+        if not (math.isfinite(request.kv_wait_s) and request.kv_wait_s >= 0):
+            raise ValueError(f"kv_wait_s must be a finite number of seconds > 0 (0: this worker's "
+                             f"default), got {request.kv_wait_s}")
+        # The most tokens the sequence can come to hold, as the router reserves them. More than the
+        # whole pool could never finish: it would fail in the engine once the pool runs out.
+        num_tokens = max(len(prompt) + len(output), min(len(prompt) + params.max_tokens, cfg.max_position))
+        pool = self.engine.pool
+        if pool.blocks_for(num_tokens) > pool.num_blocks:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{rid} may need KV for {num_tokens} tokens (prompt_ids + max_tokens), more "
+                               f"than this worker's whole pool of {pool.num_blocks * pool.block_size}; "
+                               f"lower max_tokens")
+        # A new colocated sequence also needs the slot of the token its prefill samples.
+        self.check_lease(rid, len(prompt) + max(len(output), 1))
+        return DecodeJob(rid, seq_key(rid, request.attempt), prompt, output, params, seed, request.prefill_here,
+                         request.kv_wait_s or self.config.kv_wait_s)
+
+    def check_kv(self, job: DecodeJob, kv_len: int | None, wait_s: float) -> None:
+        """What the KV wait gave: the push's token count once it is parked, None if it never came."""
+        if kv_len is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"the KV of {job.request_id} did not arrive within {wait_s:.1f} s; the prefill "
+                               f"worker may have failed, retry the request")
+        if kv_len != len(job.prompt):
+            self.engine.cancel(job.key)  # it is ours now: free it (the engine would refuse it as its own ERROR)
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the KV pushed for {job.request_id} holds {kv_len} tokens, prompt_ids has "
+                               f"{len(job.prompt)}")
+
     def check_lease(self, request_id: str, num_tokens: int) -> None:
         """Work for a request is taken only under a live reservation of this worker's blocks, at this
         epoch, large enough: otherwise Redis may have promised the blocks to someone else."""
@@ -139,78 +201,41 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
         with self.w.serving("Decode", seq_key(request.request_id, request.attempt)):
             yield from self._decode(request, context)
 
+    def DecodeSession(self, request_iterator, context):
+        yield from DecodeSession(self.w, context).run(request_iterator)
+
     def _decode(self, request, context):
         w = self.w
-        rid = check_request_id(request.request_id)
-        key = seq_key(rid, request.attempt)
-        if request.epoch != w.epoch:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"Decode for {rid} addressed to epoch {request.epoch!r}, this worker runs "
-                               f"epoch {w.epoch!r} (it restarted); reserve again")
-        cfg = w.model.config
-        params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
-        prompt = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
-        output = check_token_ids(request.output_ids, cfg.vocab_size, cfg.max_position - len(prompt), "output_ids")
-        # NaN would make the KV wait below endless; a negative wait is a caller's bug, not a timeout.
-        if not (math.isfinite(request.kv_wait_s) and request.kv_wait_s >= 0):
-            raise ValueError(f"kv_wait_s must be a finite number of seconds > 0 (0: this worker's "
-                             f"default), got {request.kv_wait_s}")
-        # The most tokens the sequence can come to hold, as the router reserves them. More than the
-        # whole pool could never finish: it would fail in the engine once the pool runs out.
-        num_tokens = max(len(prompt) + len(output), min(len(prompt) + params.max_tokens, cfg.max_position))
-        pool = w.engine.pool
-        if pool.blocks_for(num_tokens) > pool.num_blocks:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{rid} may need KV for {num_tokens} tokens (prompt_ids + max_tokens), more "
-                               f"than this worker's whole pool of {pool.num_blocks * pool.block_size}; "
-                               f"lower max_tokens")
-        w.check_lease(rid, len(prompt) + len(output))
+        job = w.check_decode(request)
         # Whatever ends this call (client gone, deadline), the KV must not be admitted later.
-        context.add_callback(lambda: (w.inbox.cancel(key), w.engine.cancel(key)))
-        wait_s = min(request.kv_wait_s or w.config.kv_wait_s, context.time_remaining() or w.config.kv_wait_s)
+        context.add_callback(lambda: (w.inbox.cancel(job.key), w.engine.cancel(job.key)))
         t0 = time.perf_counter()
-        kv_len = w.inbox.take(key, wait_s, context.is_active)
-        if kv_len is None:
-            if not context.is_active():
+        if not job.prefill_here:
+            wait_s = min(job.kv_wait_s, context.time_remaining() or job.kv_wait_s)
+            kv_len = w.inbox.take(job.key, wait_s, context.is_active)
+            if kv_len is None and not context.is_active():
                 return
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"the KV of {rid} did not arrive within {wait_s:.1f} s; the prefill "
-                               f"worker may have failed, retry the request")
-        if kv_len != len(prompt):
-            w.engine.cancel(key)  # it is ours now: free it (the engine would refuse it as its own ERROR)
-            raise ValueError(f"the KV pushed for {rid} holds {kv_len} tokens, prompt_ids has {len(prompt)}")
+            w.check_kv(job, kv_len, wait_s)
         kv_wait_s = time.perf_counter() - t0
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        w.engine.submit(key, prompt, params, events.put, seed=seed, output_ids=output, parked=True)
-        t_start = time.perf_counter()
-        first = True
+        w.engine.submit(job.key, job.prompt, job.params, events.put, seed=job.seed, output_ids=job.output,
+                        parked=not job.prefill_here)
+        out = PendingEvent(job.request_id, kv_wait_s)
         while True:
-            ev = events.get()
+            out.add(events.get())
             # Drain what else is ready so a slow reader gets tokens in fewer, larger messages.
-            token_ids, finish, error = list(ev.token_ids), ev.finish_reason, ev.error
-            logprobs = list(ev.logprobs or ())
-            while finish is None:
+            while out.finish is None:
                 try:
-                    more = events.get_nowait()
+                    out.add(events.get_nowait())
                 except queue.Empty:
                     break
-                token_ids += more.token_ids
-                logprobs += more.logprobs or ()
-                finish, error = more.finish_reason, more.error
-            if finish == FinishReason.ERROR:
-                raise ServiceError(grpc.StatusCode.INTERNAL, f"decode of {rid} failed: {error}")
-            if finish == FinishReason.CANCELLED:
-                if context.is_active():
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"decode of {rid} was stopped: {error}")
+            if out.finish == FinishReason.CANCELLED and not context.is_active():
                 return
-            msg = internal_pb2.DecodeEvent(token_ids=token_ids, decode_s=time.perf_counter() - t_start,
-                                           logprobs=[logprobs_to_pb(lp) for lp in logprobs])
-            if first:
-                msg.kv_wait_s = kv_wait_s
-                first = False
-            if finish is not None:
-                msg.finish_reason = FINISH_TO_PB[finish]
-            yield msg
+            failed = out.failure()
+            if failed is not None:
+                raise failed
+            finish = out.finish
+            yield out.take()
             if finish is not None:
                 return
 

@@ -28,7 +28,7 @@ from common.engine.weights import load_weights, trim_memory
 from common.worker import WorkerConfig
 from decode_svc.worker import DecodeWorker
 from prefill_svc.worker import PrefillWorker
-from router.config import RouterConfig
+from router.config import PREFILL_MODES, RouterConfig
 from router.server import RouterServer
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,10 @@ class Cluster:
                  port: int = 0, redis_url: str | None = None, dtype: str = "auto", device: str = "cpu",
                  kv_memory_gib: float = 0.5, threads: int = 0, router: RouterConfig | None = None,
                  worker: WorkerConfig | None = None, http_port: int = 0):
-        if num_prefill < 1 or num_decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode worker")
+        mode = (router or RouterConfig()).prefill_mode
+        if num_decode < 1 or num_prefill < (1 if mode == "disaggregated" else 0):
+            raise ValueError("a cluster needs at least one decode worker, and one prefill worker unless "
+                             "prompts may be prefilled on the decode workers (prefill_mode colocated or conditional)")
         self.model_name = model
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.redis_url = redis_url
@@ -122,7 +124,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m router.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=cli.env("HANDOFF_MODEL", DEFAULT_MODEL))
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=cli.env("HANDOFF_PREFILL_MODE", "disaggregated"),
+                   help="where prompts are prefilled: on prefill workers (disaggregated), on the decode workers "
+                        "(colocated) or by prompt length (conditional, see --remote-prefill-min-tokens)")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=RouterConfig.remote_prefill_min_tokens,
+                   help="conditional: the shortest prompt prefilled on a prefill worker")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 when colocated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--port", type=int, default=50051, help="the router's Generate port")
     p.add_argument("--http-port", type=int, default=8000,
@@ -136,12 +143,16 @@ def main(argv=None) -> None:
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.prefill is None:
+        args.prefill = 0 if args.prefill_mode == "colocated" else 1
+    router = RouterConfig(prefill_mode=args.prefill_mode, remote_prefill_min_tokens=args.remote_prefill_min_tokens)
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
-                      threads=args.threads, http_port=args.http_port)
+                      threads=args.threads, router=router, http_port=args.http_port)
     dtype = DTYPE_NAMES[parse_dtype(args.dtype)]
     why = f", {auto_dtype()[1]}" if args.dtype == "auto" else ""
-    print(f"starting: {args.prefill} prefill + {args.decode} decode workers, model {args.model} ({dtype}{why})",
+    print(f"starting: {args.prefill} prefill + {args.decode} decode workers ({args.prefill_mode}), "
+          f"model {args.model} ({dtype}{why})",
           file=sys.stderr)
     cluster.start()
     print(f"handoff cluster serving Generate on {cluster.address}"

@@ -9,6 +9,9 @@ from common import cli, security
 from common.security import TLSConfig
 
 
+PREFILL_MODES = ("disaggregated", "colocated", "conditional")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "0.0.0.0"
@@ -26,6 +29,11 @@ class RouterConfig:
     max_queued: int = 128  # requests waiting for capacity; beyond, RESOURCE_EXHAUSTED at once
     kv_wait_s: float = 30.0  # how long a decode worker waits for a request's KV
     max_attempts: int = 3  # tries of one request across workers (the retry budget)
+    # Where prompts are prefilled: disaggregated (always on a prefill worker), colocated (on the decode
+    # worker that decodes them; no prefill pool needed) or conditional (on a prefill worker when the
+    # prompt has at least remote_prefill_min_tokens tokens, else on the decode worker).
+    prefill_mode: str = "disaggregated"
+    remote_prefill_min_tokens: int = 256
     routing: str = "cache_aware"  # prefill choice: cache_aware (longest cached prefix, load permitting) or least_loaded
     cache_balance: int = 4  # cache_aware: a worker may have this many more requests in flight than the least loaded
     server_threads: int = 256  # concurrent Generate streams this router can hold
@@ -43,6 +51,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.routing not in ("cache_aware", "least_loaded"):
             raise ValueError(f"routing must be cache_aware or least_loaded, got {self.routing!r}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
+        if self.remote_prefill_min_tokens < 1:
+            raise ValueError(f"remote_prefill_min_tokens must be >= 1, got {self.remote_prefill_min_tokens}")
         if self.cache_balance < 0:
             raise ValueError(f"cache_balance must be >= 0, got {self.cache_balance}")
         for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads",
@@ -70,6 +82,12 @@ class RouterConfig:
                      "how long a request may wait for decode capacity", float)
         cli.add_flag(p, "--max-queued", "HANDOFF_MAX_QUEUED", 128, "requests allowed to wait for capacity", int)
         cli.add_flag(p, "--lease-ttl-s", "HANDOFF_LEASE_TTL_S", 10.0, "KV reservation lease", float)
+        cli.add_flag(p, "--prefill-mode", "HANDOFF_PREFILL_MODE", "disaggregated",
+                     "where prompts are prefilled: disaggregated (on a prefill worker, KV pushed to the decode "
+                     "worker), colocated (on the decode worker itself; no prefill pool needed) or conditional "
+                     "(on a prefill worker from --remote-prefill-min-tokens prompt tokens on, else colocated)")
+        cli.add_flag(p, "--remote-prefill-min-tokens", "HANDOFF_REMOTE_PREFILL_MIN_TOKENS", 256,
+                     "conditional: the shortest prompt (in tokens) prefilled on a prefill worker", int)
         cli.add_flag(p, "--routing", "HANDOFF_ROUTING", "cache_aware",
                      "prefill worker choice: cache_aware (the longest cached prompt prefix, unless that worker is "
                      "busier than the least loaded by more than --cache-balance) or least_loaded")

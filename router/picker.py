@@ -111,6 +111,10 @@ class WorkerPicker:
         return (f"no {role} worker is registered (none started, all down, or Redis was reset and they "
                 f"have not re-registered yet); retry shortly")
 
+    def has_prefill(self, exclude: Excluded = frozenset()) -> bool:
+        """Whether a prefill worker this request may use is registered now (no waiting)."""
+        return bool(self._live("prefill", exclude))
+
     def pick_prefill(self, deadline: float, exclude: Excluded = frozenset(),
                      prompt_ids: list[int] | None = None) -> tuple[WorkerInfo, int]:
         """A prefill worker and the prompt tokens its prefix cache holds. When none is left (the only one

@@ -17,6 +17,7 @@ from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grp
 from router.config import RouterConfig
 from router.leases import LeaseKeeper
 from router.picker import Excluded, Lease, WorkerPicker
+from router.sessions import DecodeSessions
 from router.validate import RequestValidator, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,13 @@ class Router:
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
         self.channels = grpc_util.ChannelCache(credentials=security.channel_credentials(config.tls),
                                                server_name=config.tls.server_name)
+        # Decode streams: one DecodeSession per decode worker carries all of this router's requests there.
+        self.sessions = DecodeSessions(credentials=security.channel_credentials(config.tls),
+                                       server_name=config.tls.server_name)
 
     def close(self) -> None:
         self.leases.close()
+        self.sessions.close()
         self.channels.close()
 
 
@@ -216,14 +221,48 @@ class GenerateCall:
             r.leases.hold(self.rid, lease.worker.worker_id, lease.worker.epoch, lease.num_blocks,
                           self._on_lease_lost)
         dw = self.lease.worker
+        if self._prefill_here(exclude):
+            metrics.PLACEMENT.labels("local").inc()
+            return (yield from self._relay_local(attempt, dw, deadline))
         pw, _ = r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
+        metrics.PLACEMENT.labels("remote").inc()
         try:
-            with r.channels.use(pw.address) as prefill_ch, r.channels.use(dw.address) as decode_ch:
-                return (yield from self._relay(attempt, pw, dw, prefill_ch, decode_ch, deadline))
+            with r.channels.use(pw.address) as prefill_ch:
+                return (yield from self._relay(attempt, pw, dw, prefill_ch, deadline))
         finally:
             r.picker.done_prefill(pw.worker_id)
 
-    def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.Channel, decode_ch: grpc.Channel, deadline: float):
+    def _prefill_here(self, exclude: Excluded) -> bool:
+        """Prefill on the decode worker? Colocated: always. Conditional: when the prompt is too short for
+        the KV transfer to pay, or no prefill worker is left to take it (the decode worker can)."""
+        mode = self.r.config.prefill_mode
+        if mode != "conditional":
+            return mode == "colocated"
+        if len(self.req.prompt_ids) < self.r.config.remote_prefill_min_tokens:
+            return True
+        return not self.r.picker.has_prefill(exclude)
+
+    def _relay_local(self, attempt: int, dw, deadline: float):
+        """One colocated attempt: the decode worker prefills the prompt (replaying what a resumed request
+        already has, as after a push) and streams every token, the first included."""
+        self._record(RequestState.PREFILLING, prefill_worker=dw.worker_id, decode_worker=dw.worker_id,
+                     attempt=attempt, prefill_placement="local")
+        decode_call = self._start_decode(dw, attempt, deadline, prefill_here=True)
+        return (yield from self._relay_decode(decode_call, dw, deadline, prefilled_here=True))
+
+    def _start_decode(self, dw, attempt: int, deadline: float, prefill_here: bool = False):
+        """The attempt's decode stream, on this router's session with dw. Stop strings stay here: the
+        router detokenizes once and cancels the request when one appears, so the decode worker does
+        no text work."""
+        r, req = self.r, self.req
+        sampling = sampling_to_pb(req.params, req.seed)
+        del sampling.stop[:]
+        return self._track(r.sessions.start(dw, internal_pb2.DecodeRequest(
+            request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
+            attempt=attempt, sampling=sampling, kv_wait_s=0 if prefill_here else r.config.kv_wait_s,
+            prefill_here=prefill_here), deadline))
+
+    def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.Channel, deadline: float):
         """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client.
 
         A resumed attempt (tokens already streamed) prefills the prompt alone; the decode worker
@@ -232,7 +271,7 @@ class GenerateCall:
         sampling = sampling_to_pb(req.params, req.seed)
         resumed = list(self.generated)
         self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id,
-                     attempt=attempt)
+                     attempt=attempt, prefill_placement="remote")
         prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(prefill_ch).Prefill(
             internal_pb2.PrefillRequest(
                 request_id=self.rid, prompt_ids=req.prompt_ids, sampling=sampling, output_ids=resumed,
@@ -252,21 +291,24 @@ class GenerateCall:
             if self.out.finish_reason is not None:
                 return self.out.finish_reason
         self._record(RequestState.TRANSFERRING, **prefill_fields)
-        decode_call = self._track(internal_pb2_grpc.DecodeWorkerStub(decode_ch).Decode(
-            internal_pb2.DecodeRequest(
-                request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
-                attempt=attempt, sampling=sampling, kv_wait_s=r.config.kv_wait_s),
-            timeout=self._timeout(deadline)))
+        decode_call = self._start_decode(dw, attempt, deadline)
         done = self._next(prefill_call, pw, deadline)
         if done is None or not done.HasField("transfer_done"):
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
         self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
                      transfer_s=round(done.transfer_done.transfer_s, 6),
                      skipped_tokens=done.transfer_done.skipped_tokens)
+        return (yield from self._relay_decode(decode_call, dw, deadline))
+
+    def _relay_decode(self, decode_call, dw, deadline: float, prefilled_here: bool = False):
+        """Relay the decode stream's tokens until the output processor ends the request."""
         while True:
             ev = self._next(decode_call, dw, deadline)
             if ev is None:
                 raise _AttemptFailed("decode", dw.worker_id, dw.epoch, "stream ended without a finish reason")
+            if prefilled_here:
+                prefilled_here = False
+                self._record(RequestState.DECODING)  # the decode worker's prefill is done
             msg = self._push(list(ev.token_ids), ev.logprobs)
             if msg is not None:
                 yield msg

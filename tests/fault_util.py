@@ -125,10 +125,15 @@ def assert_terminal(procs: ProcCluster, outcomes: list[Outcome]) -> None:
         assert record["state"] in TERMINAL_STATES, f"{r.rid}: record stuck in {record['state']}"
 
 
-def settle_and_measure(procs: ProcCluster) -> dict[str, int]:
-    """What the workers still hold SETTLE_S after the last stream ended: every figure must be 0."""
+def settle_and_measure(procs: ProcCluster, max_wait_s: float = 10.0) -> dict[str, int]:
+    """What the workers still hold once settled: SETTLE_S after the last stream ended, and then until
+    nothing is held or max_wait_s more have passed (a loaded machine takes a while to process the
+    last cancels; a leak stays). Every figure must be 0."""
     time.sleep(SETTLE_S)
-    return procs.leftovers()
+    deadline = time.monotonic() + max_wait_s
+    while any((left := procs.leftovers()).values()) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return left
 
 
 def report(**figures) -> None:

@@ -231,8 +231,9 @@ def test_leases_are_held_from_reservation_to_the_end(procs):
     before they decode; their leases must stay in Redis the whole time (else Redis could promise the
     same blocks twice) and go when they end."""
     words = "and then it walked on through the long grass while the sun went down "
-    specs = [Spec(f"greedy-{a}", f"The story of a {a} who " + words * 22, "greedy", max_tokens=4)
-             for a in ("cat", "dog", "fox", "owl", "bee")]
+    # Long enough that the last waits past the TTL on a fast host too (bf16 AMX prefills ~2,000 tok/s).
+    specs = [Spec(f"greedy-{a}", f"The story of a {a} who " + words * 40, "greedy", max_tokens=4)
+             for a in ("cat", "dog", "fox", "owl", "bee", "cow")]
     threads, results = run_many(procs.router_address, specs, "lease")
     first_seen: dict[str, float] = {}
     gaps: dict[str, list[float]] = {}  # rid -> times its lease was missing while it was in flight

@@ -30,7 +30,8 @@ def test_stubs_import_and_expose_the_services():
     assert methods(internal_pb2, "PrefillWorker") == {
         "Prefill": ("PrefillRequest", "PrefillEvent", False, True)}
     assert methods(internal_pb2, "DecodeWorker") == {
-        "Decode": ("DecodeRequest", "DecodeEvent", False, True)}
+        "Decode": ("DecodeRequest", "DecodeEvent", False, True),
+        "DecodeSession": ("SessionRequest", "SessionEvents", True, True)}
     assert methods(internal_pb2, "KVTransfer") == {
         "PushKV": ("KVChunk", "PushKVReply", True, False),
         "CachedPrefix": ("CachedPrefixRequest", "CachedPrefixReply", False, False)}
@@ -68,8 +69,13 @@ CONTRACT = {
         "FirstToken": ["token_id", "queue_s", "prefill_s", "cached_tokens", "finished", "logprob"],
         "TransferDone": ["kv_bytes", "num_chunks", "transfer_s", "skipped_tokens"],
         "PrefillEvent": ["first_token", "transfer_done"],
-        "DecodeRequest": ["request_id", "epoch", "prompt_ids", "sampling", "kv_wait_s", "output_ids", "attempt"],
+        "DecodeRequest": ["request_id", "epoch", "prompt_ids", "sampling", "kv_wait_s", "output_ids", "attempt",
+                          "prefill_here"],
         "DecodeEvent": ["token_ids", "finish_reason", "kv_wait_s", "decode_s", "logprobs"],
+        "SessionRequest": ["start", "cancel"],
+        "SessionCancel": ["request_id", "attempt"],
+        "SessionEvent": ["request_id", "attempt", "event", "status_code", "status_message"],
+        "SessionEvents": ["events"],
         "ModelFingerprint": ["weights_id", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"],
         "KVHeader": ["request_id", "target_worker_id", "target_epoch", "fingerprint", "num_tokens",
                      "total_bytes", "num_chunks", "layout", "reservation_id", "attempt", "prefix_hashes"],

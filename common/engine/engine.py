@@ -101,6 +101,9 @@ class EngineConfig:
     # k*C .. (k+1)*C - 1), and full chunks' K/V is kept for prompts that share the prefix.
     prefill_chunk_tokens: int = 256
     prefix_caching: bool = True
+    # Detokenize every token (TokenEvent.text). Off, a sequence is detokenized only when it has stop
+    # strings to match: a decode worker's caller (the router) detokenizes the stream once itself.
+    detokenize: bool = True
 
 
 class Engine:
@@ -126,6 +129,10 @@ class Engine:
         self.hasher = PrefixHasher(weights_id=getattr(runner.model, "weights_id", ""),
                                    dtype=str(runner.model.dtype), block_size=self.pool.block_size,
                                    chunk_tokens=config.prefill_chunk_tokens)
+        # Called on the engine thread after every step that did work, once its tokens were all sent to
+        # the sinks: a sink that batches (a decode session) sends one message per step. Thread-safe to
+        # append to and remove from.
+        self.step_listeners: list[Callable[[], None]] = []
         self.num_steps = 0
         self.num_prompt_tokens = 0  # prompt tokens admitted for prefill ...
         self.num_cached_tokens = 0  # ... of which the prefix cache already held the K/V
@@ -141,7 +148,8 @@ class Engine:
         (that K/V was placed by park() under seq_id), it skips the prompt's prefill."""
         seq = Sequence(seq_id, list(prompt_ids), params,
                        seed if seed is not None else derive_seed(params.seed), sink,
-                       OutputProcessor(self.tokenizer, params, len(prompt_ids), self.max_context),
+                       OutputProcessor(self.tokenizer, params, len(prompt_ids), self.max_context,
+                                       detokenize=self.config.detokenize),
                        output_ids=list(output_ids or []), kv=kv, parked=parked)
         if kv is not None and kv.shape[2] != len(seq.prompt_ids):
             raise ValueError(f"kv holds {kv.shape[2]} tokens, the prompt has {len(seq.prompt_ids)}")
@@ -228,6 +236,9 @@ class Engine:
             for seq in list(self._seqs.values()):
                 self._finish(seq, FinishReason.ERROR, error=f"engine step failed: {exc}")
         self.num_steps += did
+        if did:
+            for listener in list(self.step_listeners):
+                listener()
         return did
 
     def _drain_inbox(self) -> None:

@@ -22,11 +22,14 @@ class OutputProcessor:
     the same tokens agree on the text and on where the sequence ends.
     """
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_len: int, max_context: int):
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_len: int, max_context: int,
+                 detokenize: bool = True):
         self.params = params
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else tokenizer.stop_ids)
-        self._decoder = StreamDecoder(tokenizer)
+        # Without text to release or stop strings to match (a decode worker serving the router, which
+        # detokenizes once itself), a token costs no text work at all: push() returns "".
+        self._decoder = StreamDecoder(tokenizer) if detokenize or params.stop else None
         self._stops = StopStringMatcher(params.stop) if params.stop else None
         # Output may not grow past max_tokens nor past the model's context window.
         self.max_output_len = max(0, min(params.max_tokens, max_context - prompt_len))
@@ -41,6 +44,10 @@ class OutputProcessor:
         if token_id in self.stop_ids:
             self.finish_reason = FinishReason.STOP
             return self._flush()
+        if self._decoder is None:
+            if self.num_tokens >= self.max_output_len:
+                self.finish_reason = FinishReason.LENGTH
+            return ""
         text = self._decoder.push(token_id)
         if self._stops is not None:
             text, stopped = self._stops.feed(text)
@@ -53,6 +60,8 @@ class OutputProcessor:
         return text
 
     def _flush(self) -> str:
+        if self._decoder is None:
+            return ""
         text = self._decoder.flush()
         if self._stops is None:
             return text

@@ -1,0 +1,232 @@
+"""One router's DecodeSession: many requests over one stream, one message of everyone's new tokens per step.
+
+A Decode call costs a handler thread, a queue and a gRPC message per token per request. A session
+costs one stream per router: the reader thread starts and cancels requests as the router asks, the
+engine's sinks drop each sequence's events into one queue, and the writer (the RPC's own thread)
+sends what gathered there once the engine ends a step. KV waits hold no thread either
+(KVInbox.take_async).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from common import metrics
+from common.engine.engine import TokenEvent
+from common.engine.output import FinishReason
+from common.grpc_util import ServiceError
+from common.wire import FINISH_TO_PB, logprobs_to_pb
+from protos import internal_pb2
+
+log = logging.getLogger(__name__)
+
+_FLUSH = object()  # the engine ended a step: send what gathered
+_END = object()  # the stream ended: stop writing
+_IDLE_FLUSH_S = 0.02  # events that come outside a step (failures, KV waits) go out after this
+
+
+class PendingEvent:
+    """A sequence's events not yet sent, merged into one DecodeEvent."""
+
+    def __init__(self, request_id: str, kv_wait_s: float = 0.0):
+        self.request_id = request_id
+        self.kv_wait_s = kv_wait_s
+        self.t_start = time.perf_counter()
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish: FinishReason | None = None
+        self.error: str | None = None
+        self._first = True
+
+    def add(self, ev: TokenEvent) -> None:
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs or ()
+        self.finish, self.error = ev.finish_reason, ev.error
+
+    def failure(self) -> ServiceError | None:
+        """The status the request ends with when the engine failed or stopped it."""
+        if self.finish == FinishReason.ERROR:
+            return ServiceError(grpc.StatusCode.INTERNAL, f"decode of {self.request_id} failed: {self.error}")
+        if self.finish == FinishReason.CANCELLED:
+            return ServiceError(grpc.StatusCode.UNAVAILABLE, f"decode of {self.request_id} was stopped: {self.error}")
+        return None
+
+    def take(self) -> internal_pb2.DecodeEvent:
+        msg = internal_pb2.DecodeEvent(token_ids=self.token_ids, decode_s=time.perf_counter() - self.t_start,
+                                       logprobs=[logprobs_to_pb(lp) for lp in self.logprobs])
+        if self._first:
+            msg.kv_wait_s = self.kv_wait_s
+            self._first = False
+        if self.finish is not None:
+            msg.finish_reason = FINISH_TO_PB[self.finish]
+        self.token_ids, self.logprobs = [], []
+        return msg
+
+
+class DecodeSession:
+    """The requests of one DecodeSession stream, from start to their last event."""
+
+    def __init__(self, worker, context: grpc.ServicerContext):
+        self.w = worker
+        self.context = context
+        self._out: queue.SimpleQueue = queue.SimpleQueue()  # (key, TokenEvent | ServiceError) | _FLUSH | _END
+        self._lock = threading.Lock()
+        self._live: dict[str, tuple[PendingEvent, int, contextlib.ExitStack]] = {}  # key -> (pending, attempt, guard)
+
+    def run(self, requests):
+        """The RPC: read requests on a thread of their own, write events here until the stream ends."""
+        self.w.engine.step_listeners.append(self._flush)
+        self.context.add_callback(self._close)
+        threading.Thread(target=self._read, args=(requests,), name="decode-session", daemon=True).start()
+        try:
+            yield from self._write()
+        finally:
+            self.w.engine.step_listeners.remove(self._flush)
+            self._close()
+
+    # ---- requests in (the reader thread)
+
+    def _read(self, requests) -> None:
+        try:
+            for req in requests:
+                if req.HasField("start"):
+                    self._start(req.start)
+                elif req.HasField("cancel"):
+                    self._cancel(f"{req.cancel.request_id}#{req.cancel.attempt}")
+        except grpc.RpcError:
+            pass  # the router went away: _close() (the context's callback) cancels what it left
+        except Exception:  # noqa: BLE001 - a bug here must end the stream, not leave it hanging
+            log.exception("decode session reader failed")
+            self.context.cancel()
+
+    def _start(self, request: internal_pb2.DecodeRequest) -> None:
+        from decode_svc.worker import seq_key
+
+        w = self.w
+        key = seq_key(request.request_id, request.attempt)
+        guard = contextlib.ExitStack()
+        try:
+            guard.enter_context(w.serving("Decode", key))
+            job = w.check_decode(request)
+        except (ServiceError, ValueError) as exc:
+            guard.close()
+            self._fail_now(request.request_id, request.attempt, exc)
+            return
+        with self._lock:
+            self._live[key] = (PendingEvent(job.request_id), request.attempt, guard)
+        sink = lambda ev: self._out.put((key, ev))  # noqa: E731 - engine thread: a put, nothing more
+
+        def submit(parked: bool) -> None:
+            w.engine.submit(key, job.prompt, job.params, sink, seed=job.seed, output_ids=job.output, parked=parked)
+            if key not in self._live:  # the stream closed meanwhile: nobody would read its tokens
+                w.engine.cancel(key)
+
+        if job.prefill_here:
+            submit(parked=False)
+            return
+        t0 = time.perf_counter()
+
+        def kv_arrived(kv_len: int | None) -> None:
+            try:
+                w.check_kv(job, kv_len, job.kv_wait_s)
+            except ServiceError as exc:
+                self._out.put((key, exc))
+                return
+            entry = self._live.get(key)
+            if entry is not None:
+                entry[0].kv_wait_s = time.perf_counter() - t0
+            submit(parked=True)
+
+        w.inbox.take_async(key, job.kv_wait_s, kv_arrived)
+
+    def _cancel(self, key: str) -> None:
+        if key in self._live:
+            self.w.inbox.cancel(key)
+            self.w.engine.cancel(key)
+
+    def _fail_now(self, request_id: str, attempt: int, exc: Exception) -> None:
+        code = exc.code if isinstance(exc, ServiceError) else grpc.StatusCode.INVALID_ARGUMENT
+        message = exc.message if isinstance(exc, ServiceError) else str(exc)
+        self._out.put(internal_pb2.SessionEvent(request_id=request_id, attempt=attempt, status_code=code.value[0],
+                                                status_message=message))
+
+    def _flush(self) -> None:
+        self._out.put(_FLUSH)
+
+    def _close(self) -> None:
+        """The stream ended: every request still on it is cancelled, its blocks freed, its guard let go."""
+        with self._lock:
+            live, self._live = self._live, {}
+        for key, (_, _, guard) in live.items():
+            self.w.inbox.cancel(key)
+            self.w.engine.cancel(key)
+            guard.close()
+        self._out.put(_END)
+
+    # ---- events out (the RPC's thread)
+
+    def _write(self):
+        while True:
+            item = self._out.get()
+            if item is _END:
+                return
+            ready: dict[str, internal_pb2.SessionEvent | None] = {}  # key -> its failure, or None: tokens
+            while item is not _FLUSH and item is not _END:
+                self._gather(item, ready)
+                try:
+                    item = self._out.get(timeout=_IDLE_FLUSH_S)
+                except queue.Empty:
+                    break
+            events = [ev if ev is not None else self._tokens(key) for key, ev in ready.items()]
+            events = [ev for ev in events if ev is not None]
+            if events:
+                metrics.DECODE_SESSION_MESSAGES.labels(self.w.config.worker_id).inc()
+                yield internal_pb2.SessionEvents(events=events)
+            if item is _END:
+                return
+
+    def _gather(self, item, ready: dict) -> None:
+        if isinstance(item, internal_pb2.SessionEvent):  # refused at its start
+            ready[f"{item.request_id}#{item.attempt}"] = item
+            return
+        key, ev = item
+        with self._lock:
+            entry = self._live.get(key)
+        if entry is None:
+            return  # ended already (a late event after a failure, or the stream closed)
+        pending, attempt, _ = entry
+        failed = ev if isinstance(ev, ServiceError) else None
+        if failed is None:
+            pending.add(ev)
+            failed = pending.failure()
+        if failed is None:
+            ready.setdefault(key, None)
+            return
+        self._end(key)
+        self.w.engine.cancel(key)  # a KV check that failed may leave the push parked: free it
+        ready[key] = internal_pb2.SessionEvent(request_id=pending.request_id, attempt=attempt,
+                                               status_code=failed.code.value[0], status_message=failed.message)
+
+    def _tokens(self, key: str) -> internal_pb2.SessionEvent | None:
+        """The tokens gathered for key since the last message, and its end if it finished."""
+        with self._lock:
+            entry = self._live.get(key)
+        if entry is None:
+            return None
+        pending, attempt, _ = entry
+        finished = pending.finish is not None
+        msg = internal_pb2.SessionEvent(request_id=pending.request_id, attempt=attempt, event=pending.take())
+        if finished:
+            self._end(key)
+        return msg
+
+    def _end(self, key: str) -> None:
+        with self._lock:
+            entry = self._live.pop(key, None)
+        if entry is not None:
+            entry[2].close()
