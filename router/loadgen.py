@@ -1,0 +1,355 @@
+"""python -m router.loadgen: open-loop Poisson load on real service processes, per placement mode and mix.
+
+    python -m router.loadgen                        # the full sweep (about 25 minutes on 2 cores)
+    python -m router.loadgen --quick                # CI smoke: disaggregated, chat, 2 rates (under 2 minutes)
+    python -m router.loadgen --modes disaggregated colocated-2x1t --mixes long --rates 0.1 0.2
+
+Each mode (router.loadgen_cluster.modes) starts as separate processes, every worker pinned to its core(s)
+with taskset, so a pool is a real core; the router and this load generator are not pinned. Requests go
+through the public Generate API with ignore_eos and exact prompt and output lengths (router.loadgen_workload).
+First the unloaded figures: single requests, one at a time, on the first mode (disaggregated by default);
+the SLOs are TTFT <= 4x and TPOT <= 2x those, per request shape. Then, per mix and rate, a fixed
+Poisson schedule (the same seed in every mode) is sent open-loop, a thread per request.
+
+Prints one JSON object per figure on stdout, as common.bench.engine does: latency percentiles per mode,
+mix and rate; SLO attainment and what the cores were doing per rate; goodput per mode and mix; the
+ratios the issue asks for, with "target" and "met". Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from common.bench.engine import emit, emit_skipped, log
+from router.loadgen_cluster import PinnedCluster, modes, router_prefill_modes
+from router.loadgen_workload import (CHAT, LONG, MIXES, SLO, SLO_ATTAINMENT, TTFT_SLO_FACTOR, Planned, Result,
+                                     attainment, goodput, percentiles, plan)
+
+# Sizing (docs/benchmarks.md): per rate point, requests = rate x WINDOW_S, clamped to [min, max]; each
+# point then has DRAIN_S after its last arrival before what still runs is cancelled and counted unfinished.
+FULL = dict(modes=("disaggregated", "colocated-1x2t", "colocated-2x1t", "conditional"), mixes=tuple(MIXES),
+            fractions=(0.4, 0.7, 1.0), window_s=15.0, min_requests=5, max_requests=24, drain_s=25.0, unloaded=3)
+QUICK = dict(modes=("disaggregated",), mixes=("chat",), fractions=(0.2, 0.5), window_s=4.0, min_requests=3,
+             max_requests=4, drain_s=15.0, unloaded=1)
+IDLE_TIMEOUT_S = 30.0  # between points: until the workers report nothing running or waiting
+SHAPES = {s.name: s for s in (CHAT, LONG)}
+
+
+class LoadGen:
+    """Sends planned requests to one router, each on its own thread, and collects their Results."""
+
+    def __init__(self, address: str, tag: str):
+        from common import grpc_util
+        from protos import handoff_pb2_grpc
+
+        self.channel = grpc_util.channel(address, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES)
+        self.stub = handoff_pb2_grpc.RouterStub(self.channel)
+        self.tag, self._n = tag, 0
+        self._calls: list = []
+        self._lock = threading.Lock()
+
+    def _one(self, r: Result, p: Planned, timeout_s: float) -> None:
+        from protos import handoff_pb2
+
+        req = handoff_pb2.GenerateRequest(prompt_token_ids=p.prompt_ids, max_tokens=p.output_len, ignore_eos=True,
+                                          temperature=0.0, request_id=r.request_id)
+        r.sent_s = time.perf_counter()
+        call = self.stub.Generate(req, timeout=timeout_s)
+        with self._lock:
+            self._calls.append(call)
+        try:
+            for msg in call:
+                if msg.token_ids:
+                    r.arrivals.append((time.perf_counter(), len(msg.token_ids)))
+            r.status = "ok" if sum(k for _, k in r.arrivals) == p.output_len else "short"
+        except grpc.RpcError as exc:
+            r.status = "unfinished" if exc.code() == grpc.StatusCode.CANCELLED else exc.code().name
+
+    def run(self, planned: list[Planned], drain_s: float) -> tuple[list[Result], float]:
+        """Sends each request at its planned time; returns the results and the point's wall time. What has
+        not finished drain_s after the last arrival is cancelled (status "unfinished")."""
+        t0 = time.perf_counter() + 0.05
+        hard_end = t0 + planned[-1].at_s + drain_s
+        results, threads = [], []
+        for p in planned:
+            self._n += 1
+            r = Result(p.shape, len(p.prompt_ids), p.output_len, t0 + p.at_s, request_id=f"{self.tag}-{self._n}")
+            results.append(r)
+            time.sleep(max(0.0, r.sched_s - time.perf_counter()))
+            t = threading.Thread(target=self._one, args=(r, p, hard_end - time.perf_counter() + 5.0), daemon=True)
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(max(0.0, hard_end - time.perf_counter()))
+        with self._lock:
+            for call in self._calls:
+                call.cancel()  # a no-op on finished calls
+            self._calls = []
+        for t in threads:
+            t.join(5.0)
+        return results, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def wait_idle(cl: PinnedCluster) -> None:
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while any(w.num_running or w.num_waiting for w in cl.state.list_workers()):
+        if time.monotonic() > deadline:
+            log(f"workers still busy after {IDLE_TIMEOUT_S} s; going on")
+            return
+        time.sleep(0.2)
+
+
+def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], reps: int) -> dict[str, SLO]:
+    """One request at a time at each shape's nominal lengths (after a warm-up); the SLOs from the medians."""
+    import random
+
+    rng = random.Random(7)
+    slos = {}
+    for name in shapes:
+        s = SHAPES[name]
+        runs = []
+        for i in range(reps + 1):
+            p = Planned(name, [rng.randrange(1000, 40000) for _ in range(s.prompt_len)], s.output_len, 0.0)
+            (r,), _ = gen.run([p], drain_s=120.0)
+            if not r.ok:
+                raise RuntimeError(f"unloaded {name} request ended {r.status}")
+            if i:  # the first is the warm-up
+                runs.append(r)
+        ttft, tpot = statistics.median(r.ttft_s for r in runs), statistics.median(r.tpot_s for r in runs)
+        slos[name] = SLO.from_unloaded(ttft, tpot)
+        emit(f"unloaded_ttft_ms_{name}", ttft * 1e3, "ms, median of single requests", mode=cl.mode.name,
+             prompt_len=s.prompt_len, output_len=s.output_len, samples=reps)
+        emit(f"unloaded_tpot_ms_{name}", tpot * 1e3, "ms, median of single requests", mode=cl.mode.name,
+             prompt_len=s.prompt_len, output_len=s.output_len, samples=reps)
+        print(json.dumps({"name": f"slo_{name}", "ttft_ms": round(slos[name].ttft_s * 1e3, 1),
+                          "tpot_ms": round(slos[name].tpot_s * 1e3, 2), "from_mode": cl.mode.name,
+                          "rule": "TTFT <= 4x, TPOT <= 2x the unloaded median"}), flush=True)
+    return slos
+
+
+def sweep_rates(mix: str, slos: dict[str, SLO], fractions) -> list[float]:
+    """Fractions of what one prefill worker can take unloaded, 1 / mean unloaded TTFT of the mix (the
+    disaggregated mode's prefill ceiling), so the sweep fits this machine's speed."""
+    mean_ttft_s = sum(w * slos[s.name].ttft_s / TTFT_SLO_FACTOR for s, w in MIXES[mix])
+    return [float(f"{f / mean_ttft_s:.3g}") for f in fractions]
+
+
+def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict, slos: dict[str, SLO],
+              seed: int) -> dict:
+    n = int(min(max(round(rate * size["window_s"]), size["min_requests"]), size["max_requests"]))
+    planned = plan(mix, rate, n, seed)
+    cpu0, pre0, wall0 = cl.cpu_seconds(), cl.prefill_seconds(), time.perf_counter()
+    results, _ = gen.run(planned, size["drain_s"])
+    wall_s = time.perf_counter() - wall0
+    cpu1, pre1 = cl.cpu_seconds(), cl.prefill_seconds()
+    cl.check_alive()
+    ok = [r for r in results if r.ok]
+    where = dict(mode=cl.mode.name, mix=mix, rate_rps=rate)
+    for metric, xs in (("ttft", [r.ttft_s for r in ok]), ("tpot", [r.tpot_s for r in ok]),
+                       ("itl", [g for r in ok for g in r.itl_s()]), ("e2e", [r.e2e_s for r in ok])):
+        p = {k: (round(v * 1e3, 2) if v is not None else None) for k, v in percentiles(xs).items()}
+        print(json.dumps({"name": f"{metric}_ms", "value": p["p50"], "unit": "ms (p50; p90, p99 beside)", **p,
+                          **where, "samples": len(xs)}), flush=True)
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    # What saturates: TTFT of the last third of arrivals against the first third grows when a queue
+    # builds; busy = CPU seconds per wall second of each process (1.0 = one core all the time).
+    third = max(1, len(results) // 3)
+    first, last = [r.ttft_s for r in results[:third] if r.ok], [r.ttft_s for r in results[-third:] if r.ok]
+    point = dict(where, requests=n, statuses=statuses, attainment=attainment(results, slos),
+                 misses_ttft=sum(r.ok and r.ttft_s > slos[r.shape].ttft_s for r in results),
+                 misses_tpot=sum(r.ok and r.tpot_s > slos[r.shape].tpot_s for r in results),
+                 ttft_growth=(statistics.median(last) / statistics.median(first)) if first and last else None,
+                 busy={k: round((cpu1.get(k, 0.0) - v) / wall_s, 2) for k, v in cpu0.items()},
+                 prefill_busy={k: round((pre1.get(k, 0.0) - v) / wall_s, 2) for k, v in pre0.items()},
+                 output_tok_s=sum(r.output_len for r in ok) / wall_s,
+                 client_lag_ms_max=max(r.sent_s - r.sched_s for r in results) * 1e3, wall_s=wall_s)
+    emit("slo_attainment", point["attainment"], f"share of requests meeting both SLOs (goodput needs "
+         f">= {SLO_ATTAINMENT})", **{k: v for k, v in point.items() if k != "attainment"})
+    point["tpot_p99_s"] = percentiles([r.tpot_s for r in ok])["p99"] if len(ok) >= 0.9 * n else None
+    log(f"{cl.mode.name} {mix} {rate} req/s: {statuses}, attainment {point['attainment']:.2f}, busy {point['busy']}")
+    return point
+
+
+def run_mode(mode, args, size: dict, slos: dict[str, SLO] | None, log_dir: Path, rates: dict) -> tuple[dict, dict]:
+    """Starts the mode's processes, measures the unloaded figures if none yet, sweeps every mix."""
+    points: dict[str, list[dict]] = {}
+    with PinnedCluster(mode, log_dir, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
+                       remote_prefill_min_tokens=args.remote_prefill_min_tokens) as cl:
+        gen = LoadGen(cl.router_address, f"lg-{mode.name}-{os.getpid()}")
+        try:
+            if slos is None:
+                shapes = sorted({s.name for m in args.mixes for s, _ in MIXES[m]})
+                slos = measure_unloaded(cl, gen, shapes, size["unloaded"])
+            else:  # a warm-up per worker, so no point pays for first calls
+                gen.run(plan("chat", 10.0, len(mode.workers), seed=1), drain_s=60.0)
+            for mix in args.mixes:
+                rates.setdefault(mix, args.rates or sweep_rates(mix, slos, size["fractions"]))
+                points[mix] = []
+                for i, rate in enumerate(rates[mix]):
+                    wait_idle(cl)
+                    points[mix].append(run_point(cl, gen, mix, rate, size, slos, seed=1000 * i + len(mix)))
+        finally:
+            gen.close()
+    return points, slos
+
+
+# ----------------------------------------------------------------------------- the report
+
+def report_goodput(all_points: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, float]]:
+    """Goodput per mode and mix, and for a mode that misses the SLOs somewhere: what saturated there."""
+    out: dict[str, dict[str, float]] = {}
+    for mode, by_mix in all_points.items():
+        for mix, points in by_mix.items():
+            g, every = goodput({p["rate_rps"]: p["attainment"] for p in points})
+            out.setdefault(mode, {})[mix] = g
+            emit("goodput_rps", g, f"req/s: the highest swept rate at which it and every lower rate had >= "
+                 f"{SLO_ATTAINMENT:.0%} of requests within both SLOs", mode=mode, mix=mix,
+                 lower_bound=every, rates=[p["rate_rps"] for p in points])
+            failed = next((p for p in points if p["attainment"] < SLO_ATTAINMENT), None)
+            if failed is not None:
+                busiest = max(failed["busy"], key=failed["busy"].get)
+                emit("saturation", failed["rate_rps"], "req/s: the first swept rate that missed the SLOs, and "
+                     "what the processes did there", mode=mode, mix=mix, statuses=failed["statuses"],
+                     misses_ttft=failed["misses_ttft"], misses_tpot=failed["misses_tpot"],
+                     ttft_growth=failed["ttft_growth"], busy=failed["busy"], prefill_busy=failed["prefill_busy"],
+                     busiest=busiest)
+    return out
+
+
+def _best(good: dict[str, dict[str, float]], mix: str, names: list[str]) -> tuple[str | None, float]:
+    present = [(good[m][mix], m) for m in names if mix in good.get(m, {})]
+    if not present:
+        return None, 0.0
+    g, m = max(present)
+    return m, g
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def report_ratios(all_points: dict, good: dict[str, dict[str, float]]) -> None:
+    """The issue's targets. A ratio whose modes did not run is printed as skipped, with why."""
+    colocated = [m for m in ("colocated-1x2t", "colocated-2x1t") if m in good]
+    for mix in ("long", "blend"):
+        if "disaggregated" not in good or mix not in good["disaggregated"] or not colocated:
+            emit_skipped(f"tpot_p99_disaggregated_vs_colocated_{mix}", "needs the disaggregated and a colocated "
+                         "mode on this mix", "python -m router.loadgen (all modes; colocated needs the router's "
+                         "--prefill-mode)")
+            emit_skipped(f"goodput_disaggregated_vs_colocated_{mix}", "needs disaggregated and colocated modes",
+                         "python -m router.loadgen")
+            continue
+        dis = {p["rate_rps"]: p for p in all_points["disaggregated"][mix]}
+        for co in colocated:
+            if mix not in all_points[co]:
+                continue
+            both = [(r, dis[r]["tpot_p99_s"], p["tpot_p99_s"]) for r, p in
+                    ((p["rate_rps"], p) for p in all_points[co][mix]) if r in dis]
+            both = [(r, a, b) for r, a, b in both if a is not None and b is not None]
+            if not both:
+                emit_skipped(f"tpot_p99_disaggregated_vs_{co}_{mix}", "no common rate at which both finished "
+                             ">= 90 % of requests", "a lower --rates")
+                continue
+            r, a, b = both[-1]  # the highest common rate at which both modes finished their requests
+            emit(f"tpot_p99_disaggregated_vs_{co}_{mix}", a * 1e3, f"ms, disaggregated TPOT p99 at {r} req/s "
+                 f"(ratio = disaggregated / {co})", peer=co, peer_value=b * 1e3, target="ratio <= 0.333",
+                 met=a / b <= 1 / 3, rate_rps=r, per_rate={str(x): round(y / z, 3) for x, y, z in both})
+        co, g_co = _best(good, mix, colocated)
+        g_dis = good["disaggregated"][mix]
+        ratio = _ratio(g_dis, g_co)
+        emit(f"goodput_disaggregated_vs_colocated_{mix}", g_dis, f"req/s (ratio = disaggregated / {co}, the "
+             "better colocated variant)", peer=co, peer_value=g_co, ratio=ratio, target="ratio >= 1.5",
+             met=ratio is not None and ratio >= 1.5)
+    others = [m for m in ("disaggregated", "colocated-1x2t", "colocated-2x1t") if "chat" in good.get(m, {})]
+    if "chat" not in good.get("conditional", {}) or not others:
+        emit_skipped("goodput_conditional_vs_best_chat", "needs the conditional mode and another on chat",
+                     "python -m router.loadgen (conditional needs the router's --prefill-mode)")
+        return
+    m, g = _best(good, "chat", others)
+    ratio = _ratio(good["conditional"]["chat"], g)
+    emit("goodput_conditional_vs_best_chat", good["conditional"]["chat"], f"req/s (ratio = conditional / {m}, the "
+         "best of the others)", peer=m, peer_value=g, ratio=ratio, target="ratio >= 0.95",
+         met=ratio is not None and ratio >= 0.95)
+
+
+def machine_line(args, pinned: bool) -> None:
+    from common.engine.hardware import auto_dtype, reported_flags
+
+    print(json.dumps({"name": "machine", "cpu_flags": reported_flags(), "cores": os.cpu_count(),
+                      "dtype": args.dtype, "dtype_auto": auto_dtype()[1],
+                      "pinning": "taskset: each worker on its own core(s)" if pinned else
+                      "taskset not found: workers run unpinned, pools share every core",
+                      "router_and_client": "unpinned: they share cores 0-1 with the workers"}), flush=True)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m router.loadgen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI smoke: disaggregated, chat, 2 rates, 4 requests each")
+    p.add_argument("--modes", nargs="+", choices=list(modes(0)), help="default: all (quick: disaggregated)")
+    p.add_argument("--mixes", nargs="+", choices=list(MIXES), help="default: all (quick: chat)")
+    p.add_argument("--rates", nargs="+", type=float, help="req/s for every mix; default: fractions of the "
+                   "unloaded prefill rate of each mix (full 0.4 0.7 1.0, quick 0.2 0.5)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool of each decode worker")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=512,
+                   help="conditional mode: prompts of at least this many tokens are prefilled remotely")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: docs/ after a full run; "
+                   "none after --quick)")
+    p.add_argument("--logs", metavar="DIR", help="service logs (default: a temporary folder)")
+    args = p.parse_args(argv)
+    all_modes = modes(args.remote_prefill_min_tokens)
+    signal.signal(signal.SIGTERM, _interrupt)  # so a kill stops the services too (run_mode's `with`)
+    size = QUICK if args.quick else FULL
+    args.modes = args.modes or list(size["modes"])
+    args.mixes = args.mixes or list(size["mixes"])
+    # The unloaded figures (and so the SLOs) come from the first mode: disaggregated, when it runs.
+    args.modes.sort(key=lambda m: m != "disaggregated")
+    t_start = time.perf_counter()
+    machine_line(args, pinned=shutil.which("taskset") is not None)
+    emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    has_modes = router_prefill_modes()
+    log_dir = Path(args.logs or tempfile.mkdtemp(prefix="loadgen-"))
+    all_points: dict[str, dict[str, list[dict]]] = {}
+    slos, rates = None, {}
+    for name in args.modes:
+        mode = all_modes[name]
+        if mode.prefill_mode != "disaggregated" and not has_modes:
+            emit_skipped(f"mode_{name}", "this router has no --prefill-mode (colocated / conditional placement "
+                         "not there yet)", "merge the branch that adds it, then rerun", mode=name)
+            continue
+        log(f"mode {name}: {mode.about}; logs in {log_dir}")
+        all_points[name], slos = run_mode(mode, args, size, slos, log_dir, rates)
+    good = report_goodput(all_points)
+    report_ratios(all_points, good)
+    emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    log(f"done in {time.perf_counter() - t_start:.0f} s")
+    plots = args.plots or (None if args.quick else "docs")
+    if plots and all_points:
+        from router.loadgen_plot import plot
+        for path in plot(all_points, good, Path(plots)):
+            log(f"wrote {path}")
+    return {"points": all_points, "goodput": good, "slos": slos}
+
+
+if __name__ == "__main__":
+    main()
