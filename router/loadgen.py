@@ -1,7 +1,7 @@
 """python -m router.loadgen: open-loop Poisson load on real service processes, per placement mode and mix.
 
     python -m router.loadgen                        # the full sweep (about 25 minutes on 2 cores)
-    python -m router.loadgen --quick                # CI smoke: disaggregated, chat, 2 rates (under 2 minutes)
+    python -m router.loadgen --quick                # CI smoke: disaggregated, chat (32-token outputs), 2 rates, < 2 min
     python -m router.loadgen --modes disaggregated colocated-2x1t --mixes long --rates 0.1 0.2
 
 Each mode (router.loadgen_cluster.modes) starts as separate processes, every worker pinned to its core(s)
@@ -32,15 +32,18 @@ import grpc
 
 from common.bench.engine import emit, emit_skipped, log
 from router.loadgen_cluster import PinnedCluster, modes, router_prefill_modes
-from router.loadgen_workload import (CHAT, LONG, MIXES, SLO, SLO_ATTAINMENT, TTFT_SLO_FACTOR, Planned, Result,
-                                     attainment, goodput, percentiles, plan)
+from router.loadgen_workload import (CHAT, LONG, MIXES, PROMPT_ID_RANGE, SLO, SLO_ATTAINMENT, TTFT_SLO_FACTOR,
+                                     Planned, Result, attainment, goodput, percentiles, plan)
 
 # Sizing (docs/benchmarks.md): per rate point, requests = rate x WINDOW_S, clamped to [min, max]; each
 # point then has DRAIN_S after its last arrival before what still runs is cancelled and counted unfinished.
 FULL = dict(modes=("disaggregated", "colocated-1x2t", "colocated-2x1t", "conditional"), mixes=tuple(MIXES),
-            fractions=(0.4, 0.7, 1.0), window_s=15.0, min_requests=5, max_requests=24, drain_s=25.0, unloaded=3)
-QUICK = dict(modes=("disaggregated",), mixes=("chat",), fractions=(0.2, 0.5), window_s=4.0, min_requests=3,
-             max_requests=4, drain_s=15.0, unloaded=1)
+            fractions=(0.4, 0.7, 1.0), window_s=15.0, min_requests=5, max_requests=24, drain_s=25.0, unloaded=3,
+            max_output_len=None)
+# Quick: the chat mix's prompts with outputs cut to 32 tokens, so that a smoke run on two shared cores
+# stays under 2 minutes (most of it is the services' start).
+QUICK = dict(modes=("disaggregated",), mixes=("chat",), fractions=(0.25, 0.6), window_s=4.0, min_requests=3,
+             max_requests=4, drain_s=10.0, unloaded=1, max_output_len=32)
 IDLE_TIMEOUT_S = 30.0  # between points: until the workers report nothing running or waiting
 SHAPES = {s.name: s for s in (CHAT, LONG)}
 
@@ -112,7 +115,7 @@ def wait_idle(cl: PinnedCluster) -> None:
         time.sleep(0.2)
 
 
-def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], reps: int) -> dict[str, SLO]:
+def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], size: dict) -> dict[str, SLO]:
     """One request at a time at each shape's nominal lengths (after a warm-up); the SLOs from the medians."""
     import random
 
@@ -121,8 +124,10 @@ def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], reps: i
     for name in shapes:
         s = SHAPES[name]
         runs = []
+        reps = size["unloaded"]
         for i in range(reps + 1):
-            p = Planned(name, [rng.randrange(1000, 40000) for _ in range(s.prompt_len)], s.output_len, 0.0)
+            output_len = min(s.output_len, size["max_output_len"] or s.output_len)
+            p = Planned(name, [rng.randrange(*PROMPT_ID_RANGE) for _ in range(s.prompt_len)], output_len, 0.0)
             (r,), _ = gen.run([p], drain_s=120.0)
             if not r.ok:
                 raise RuntimeError(f"unloaded {name} request ended {r.status}")
@@ -131,9 +136,9 @@ def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], reps: i
         ttft, tpot = statistics.median(r.ttft_s for r in runs), statistics.median(r.tpot_s for r in runs)
         slos[name] = SLO.from_unloaded(ttft, tpot)
         emit(f"unloaded_ttft_ms_{name}", ttft * 1e3, "ms, median of single requests", mode=cl.mode.name,
-             prompt_len=s.prompt_len, output_len=s.output_len, samples=reps)
+             prompt_len=s.prompt_len, output_len=output_len, samples=reps)
         emit(f"unloaded_tpot_ms_{name}", tpot * 1e3, "ms, median of single requests", mode=cl.mode.name,
-             prompt_len=s.prompt_len, output_len=s.output_len, samples=reps)
+             prompt_len=s.prompt_len, output_len=output_len, samples=reps)
         print(json.dumps({"name": f"slo_{name}", "ttft_ms": round(slos[name].ttft_s * 1e3, 1),
                           "tpot_ms": round(slos[name].tpot_s * 1e3, 2), "from_mode": cl.mode.name,
                           "rule": "TTFT <= 4x, TPOT <= 2x the unloaded median"}), flush=True)
@@ -150,7 +155,7 @@ def sweep_rates(mix: str, slos: dict[str, SLO], fractions) -> list[float]:
 def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict, slos: dict[str, SLO],
               seed: int) -> dict:
     n = int(min(max(round(rate * size["window_s"]), size["min_requests"]), size["max_requests"]))
-    planned = plan(mix, rate, n, seed)
+    planned = plan(mix, rate, n, seed, size["max_output_len"])
     cpu0, pre0, wall0 = cl.cpu_seconds(), cl.prefill_seconds(), time.perf_counter()
     results, _ = gen.run(planned, size["drain_s"])
     wall_s = time.perf_counter() - wall0
@@ -158,9 +163,11 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
     cl.check_alive()
     ok = [r for r in results if r.ok]
     where = dict(mode=cl.mode.name, mix=mix, rate_rps=rate)
+    latency_ms = {}
     for metric, xs in (("ttft", [r.ttft_s for r in ok]), ("tpot", [r.tpot_s for r in ok]),
                        ("itl", [g for r in ok for g in r.itl_s()]), ("e2e", [r.e2e_s for r in ok])):
-        p = {k: (round(v * 1e3, 2) if v is not None else None) for k, v in percentiles(xs).items()}
+        p = latency_ms[metric] = {k: (round(v * 1e3, 2) if v is not None else None)
+                                  for k, v in percentiles(xs).items()}
         print(json.dumps({"name": f"{metric}_ms", "value": p["p50"], "unit": "ms (p50; p90, p99 beside)", **p,
                           **where, "samples": len(xs)}), flush=True)
     statuses: dict[str, int] = {}
@@ -180,6 +187,8 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
                  client_lag_ms_max=max(r.sent_s - r.sched_s for r in results) * 1e3, wall_s=wall_s)
     emit("slo_attainment", point["attainment"], f"share of requests meeting both SLOs (goodput needs "
          f">= {SLO_ATTAINMENT})", **{k: v for k, v in point.items() if k != "attainment"})
+    point["latency_ms"] = latency_ms
+    point["results"] = results  # not printed: for the plots and the test
     point["tpot_p99_s"] = percentiles([r.tpot_s for r in ok])["p99"] if len(ok) >= 0.9 * n else None
     log(f"{cl.mode.name} {mix} {rate} req/s: {statuses}, attainment {point['attainment']:.2f}, busy {point['busy']}")
     return point
@@ -188,13 +197,15 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
 def run_mode(mode, args, size: dict, slos: dict[str, SLO] | None, log_dir: Path, rates: dict) -> tuple[dict, dict]:
     """Starts the mode's processes, measures the unloaded figures if none yet, sweeps every mix."""
     points: dict[str, list[dict]] = {}
+    t0 = time.perf_counter()
     with PinnedCluster(mode, log_dir, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
                        remote_prefill_min_tokens=args.remote_prefill_min_tokens) as cl:
+        log(f"mode {mode.name}: services serving after {time.perf_counter() - t0:.0f} s")
         gen = LoadGen(cl.router_address, f"lg-{mode.name}-{os.getpid()}")
         try:
             if slos is None:
                 shapes = sorted({s.name for m in args.mixes for s, _ in MIXES[m]})
-                slos = measure_unloaded(cl, gen, shapes, size["unloaded"])
+                slos = measure_unloaded(cl, gen, shapes, size)
             else:  # a warm-up per worker, so no point pays for first calls
                 gen.run(plan("chat", 10.0, len(mode.workers), seed=1), drain_s=60.0)
             for mix in args.mixes:

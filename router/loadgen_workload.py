@@ -51,14 +51,16 @@ class Planned:
     at_s: float  # its arrival, seconds after the point's start
 
 
-def plan(mix: str, rate_rps: float, num_requests: int, seed: int) -> list[Planned]:
-    """Open-loop Poisson arrivals: exponential gaps of mean 1/rate, whatever the system does."""
+def plan(mix: str, rate_rps: float, num_requests: int, seed: int, max_output_len: int | None = None) -> list[Planned]:
+    """Open-loop Poisson arrivals: exponential gaps of mean 1/rate, whatever the system does.
+    max_output_len caps the outputs (the quick smoke run's shortcut)."""
     rng = random.Random(seed)
     shapes, weights = zip(*MIXES[mix])
     out, t = [], 0.0
     for _ in range(num_requests):
         shape = rng.choices(shapes, weights)[0]
         prompt_len, output_len = shape.sample(rng)
+        output_len = min(output_len, max_output_len or output_len)
         out.append(Planned(shape.name, [rng.randrange(*PROMPT_ID_RANGE) for _ in range(prompt_len)], output_len, t))
         t += rng.expovariate(rate_rps)
     return out

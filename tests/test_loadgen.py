@@ -1,0 +1,110 @@
+"""router.loadgen: the workload and scoring rules on their own, then the quick mode against real processes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router import loadgen
+from router.loadgen_workload import (LONG, SLO, TPOT_SLO_FACTOR, TTFT_SLO_FACTOR, Result, attainment, goodput, meets,
+                                     percentiles, plan)
+
+
+def test_plan_is_open_loop_poisson_with_exact_lengths():
+    planned = plan("blend", rate_rps=2.0, num_requests=2000, seed=3)
+    assert planned == plan("blend", rate_rps=2.0, num_requests=2000, seed=3)  # same seed, same workload
+    gaps = [b.at_s - a.at_s for a, b in zip(planned, planned[1:])]
+    mean_gap = sum(gaps) / len(gaps)
+    assert 0.45 < mean_gap < 0.55  # exponential gaps of mean 1 / rate
+    # Poisson: the gaps' standard deviation equals their mean (a fixed-interval schedule would have 0).
+    sd = (sum((g - mean_gap) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert 0.85 < sd / mean_gap < 1.15
+    chat = [p for p in planned if p.shape == "chat"]
+    long = [p for p in planned if p.shape == "long"]
+    assert 0.45 < len(chat) / len(planned) < 0.55
+    assert all(len(p.prompt_ids) == LONG.prompt_len and p.output_len == LONG.output_len for p in long)
+    lens = [len(p.prompt_ids) for p in chat]
+    assert 100 <= min(lens) < 110 and 290 < max(lens) <= 300  # 200 +- 50 %, uniform
+    assert all(64 <= p.output_len <= 192 for p in chat)
+    assert len({tuple(p.prompt_ids[:16]) for p in planned}) == len(planned)  # no shared prefix to cache
+
+
+def _result(ttft_s: float, tpot_s: float, output_len: int = 11, status: str = "ok", shape: str = "chat") -> Result:
+    r = Result(shape, 100, output_len, sched_s=0.0, sent_s=10.0, status=status)
+    if status == "ok":
+        r.arrivals = [(10.0 + ttft_s, 1), (10.0 + ttft_s + tpot_s * (output_len - 1), output_len - 1)]
+    return r
+
+
+def test_request_figures():
+    r = _result(0.5, 0.1, output_len=11)
+    assert r.ttft_s == pytest.approx(0.5) and r.e2e_s == pytest.approx(1.5) and r.tpot_s == pytest.approx(0.1)
+    # one message of 10 tokens after a 1 s gap counts as 10 gaps of 0.1 s
+    assert r.itl_s() == pytest.approx([0.1] * 10)
+
+
+def test_slo_attainment_and_goodput():
+    slos = {"chat": SLO.from_unloaded(ttft_s=0.25, tpot_s=0.05)}
+    assert slos["chat"] == SLO(ttft_s=TTFT_SLO_FACTOR * 0.25, tpot_s=TPOT_SLO_FACTOR * 0.05)
+    assert meets(_result(1.0, 0.1), slos)  # both at the limit
+    assert not meets(_result(1.01, 0.05), slos) and not meets(_result(0.3, 0.11), slos)
+    failed = [_result(0, 0, status="RESOURCE_EXHAUSTED"), _result(0, 0, status="unfinished")]
+    assert attainment([_result(0.3, 0.05)] * 8 + failed, slos) == pytest.approx(0.8)  # failures are misses
+    assert goodput({0.5: 1.0, 1.0: 0.9, 2.0: 0.5}) == (1.0, False)
+    assert goodput({0.5: 0.95, 1.0: 0.5, 2.0: 0.95}) == (0.5, False)  # a noisy pass above a miss does not count
+    assert goodput({0.5: 0.5}) == (0.0, False)
+    assert goodput({0.5: 1.0, 1.0: 1.0}) == (1.0, True)  # only a lower bound
+    p = percentiles([float(i) for i in range(101)])
+    assert p == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+
+
+def test_plots(tmp_path):
+    from router.loadgen_plot import plot
+
+    lat = {m: {"p50": 10.0, "p90": 20.0, "p99": 30.0} for m in ("ttft", "tpot", "itl", "e2e")}
+    points = {"disaggregated": {"chat": [dict(rate_rps=r, latency_ms=lat) for r in (0.5, 1.0)]}}
+    paths = plot(points, {"disaggregated": {"chat": 0.5}}, tmp_path)
+    assert [p.name for p in paths] == ["loadgen-latency.png", "loadgen-goodput.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+@pytest.mark.timeout(170)  # the quick mode's budget is 2 minutes on 2 shared cores
+def test_quick_run_against_real_processes(tmp_path, capsys):
+    out = loadgen.main(["--quick", "--logs", str(tmp_path)])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    by_name = {}
+    for line in lines:
+        by_name.setdefault(line["name"], []).append(line)
+    assert by_name["machine"][0]["pinning"].startswith(("taskset", "taskset not found"))
+    assert "load_avg_1min_at_start" in by_name and "load_avg_1min_at_end" in by_name
+
+    # The SLOs are 4x / 2x the unloaded figures printed before them.
+    ttft_ms, tpot_ms = by_name["unloaded_ttft_ms_chat"][0]["value"], by_name["unloaded_tpot_ms_chat"][0]["value"]
+    slo = by_name["slo_chat"][0]
+    assert slo["ttft_ms"] == pytest.approx(4 * ttft_ms, rel=1e-2) and slo["tpot_ms"] == pytest.approx(2 * tpot_ms, rel=1e-2)
+    slos = out["slos"]
+
+    points = out["points"]["disaggregated"]["chat"]
+    assert len(points) == 2 and points[0]["rate_rps"] < points[1]["rate_rps"]
+    for p in points:
+        results = p["results"]
+        # every request sent is accounted for: finished with all its tokens, failed with a status, or cancelled
+        assert len(results) == p["requests"] == sum(p["statuses"].values()) >= 3
+        for r in results:
+            assert r.status == "ok" or r.status in ("short", "unfinished") or r.status.isupper()
+            if r.ok:
+                assert sum(k for _, k in r.arrivals) == r.output_len
+                assert 0 < r.ttft_s <= r.e2e_s and r.tpot_s > 0
+        assert p["statuses"].get("ok", 0) >= 1, p["statuses"]
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            q = p["latency_ms"][metric]
+            assert q["p50"] <= q["p90"] <= q["p99"], (metric, q)
+        # the printed attainment is the SLO definition applied to the requests
+        assert p["attainment"] == pytest.approx(sum(meets(r, slos) for r in results) / len(results))
+        assert 0 < p["busy"]["decode-0"] <= 1.05  # pinned to one core
+    # goodput from the attainments, as DistServe defines it
+    good = by_name["goodput_rps"][0]
+    assert good["value"] == goodput({p["rate_rps"]: p["attainment"] for p in points})[0]
+    assert out["goodput"]["disaggregated"]["chat"] == good["value"]
+    # ratios that need the other modes say they were skipped rather than print a number
+    assert all("skipped" in line for line in by_name["goodput_conditional_vs_best_chat"])
