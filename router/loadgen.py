@@ -26,23 +26,24 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from common.bench.engine import emit, emit_skipped, log
 from router.loadgen_cluster import PinnedCluster, modes, router_prefill_modes
-from router.loadgen_workload import (CHAT, LONG, MIXES, PROMPT_ID_RANGE, SLO, SLO_ATTAINMENT, TTFT_SLO_FACTOR,
+from router.loadgen_workload import (CHAT, LONG, MIXES, PROMPT_ID_RANGE, SLO, SLO_ATTAINMENT,
                                      Planned, Result, attainment, goodput, percentiles, plan)
 
 # Sizing (docs/benchmarks.md): per rate point, requests = rate x WINDOW_S, clamped to [min, max]; each
 # point then has DRAIN_S after its last arrival before what still runs is cancelled and counted unfinished.
 FULL = dict(modes=("disaggregated", "colocated-1x2t", "colocated-2x1t", "conditional"), mixes=tuple(MIXES),
-            fractions=(0.4, 0.7, 1.0), window_s=15.0, min_requests=5, max_requests=24, drain_s=25.0, unloaded=3,
+            multiples=(1.0, 2.0, 3.5), window_s=15.0, min_requests=5, max_requests=24, drain_s=25.0, unloaded=3,
             max_output_len=None)
 # Quick: the chat mix's prompts with outputs cut to 32 tokens, so that a smoke run on two shared cores
 # stays under 2 minutes (most of it is the services' start).
-QUICK = dict(modes=("disaggregated",), mixes=("chat",), fractions=(0.25, 0.6), window_s=4.0, min_requests=3,
+QUICK = dict(modes=("disaggregated",), mixes=("chat",), multiples=(0.5, 1.5), window_s=4.0, min_requests=3,
              max_requests=4, drain_s=10.0, unloaded=1, max_output_len=32)
 IDLE_TIMEOUT_S = 30.0  # between points: until the workers report nothing running or waiting
 SHAPES = {s.name: s for s in (CHAT, LONG)}
@@ -115,12 +116,21 @@ def wait_idle(cl: PinnedCluster) -> None:
         time.sleep(0.2)
 
 
-def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], size: dict) -> dict[str, SLO]:
+@dataclass(frozen=True)
+class Baseline:
+    """The unloaded figures of each request shape and the SLOs made from them."""
+
+    mode: str  # where they were measured
+    slos: dict[str, SLO]
+    e2e_s: dict[str, float]  # unloaded end-to-end: 1 / e2e is the rate of a closed loop of one client
+
+
+def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], size: dict) -> Baseline:
     """One request at a time at each shape's nominal lengths (after a warm-up); the SLOs from the medians."""
     import random
 
     rng = random.Random(7)
-    slos = {}
+    slos, e2e_s = {}, {}
     for name in shapes:
         s = SHAPES[name]
         runs = []
@@ -134,6 +144,7 @@ def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], size: d
             if i:  # the first is the warm-up
                 runs.append(r)
         ttft, tpot = statistics.median(r.ttft_s for r in runs), statistics.median(r.tpot_s for r in runs)
+        e2e_s[name] = statistics.median(r.e2e_s for r in runs)
         slos[name] = SLO.from_unloaded(ttft, tpot)
         emit(f"unloaded_ttft_ms_{name}", ttft * 1e3, "ms, median of single requests", mode=cl.mode.name,
              prompt_len=s.prompt_len, output_len=output_len, samples=reps)
@@ -142,14 +153,15 @@ def measure_unloaded(cl: PinnedCluster, gen: LoadGen, shapes: list[str], size: d
         print(json.dumps({"name": f"slo_{name}", "ttft_ms": round(slos[name].ttft_s * 1e3, 1),
                           "tpot_ms": round(slos[name].tpot_s * 1e3, 2), "from_mode": cl.mode.name,
                           "rule": "TTFT <= 4x, TPOT <= 2x the unloaded median"}), flush=True)
-    return slos
+    return Baseline(cl.mode.name, slos, e2e_s)
 
 
-def sweep_rates(mix: str, slos: dict[str, SLO], fractions) -> list[float]:
-    """Fractions of what one prefill worker can take unloaded, 1 / mean unloaded TTFT of the mix (the
-    disaggregated mode's prefill ceiling), so the sweep fits this machine's speed."""
-    mean_ttft_s = sum(w * slos[s.name].ttft_s / TTFT_SLO_FACTOR for s, w in MIXES[mix])
-    return [float(f"{f / mean_ttft_s:.3g}") for f in fractions]
+def sweep_rates(mix: str, base: Baseline, multiples) -> list[float]:
+    """Multiples of 1 / (mean unloaded end-to-end time of the mix): the rate one client sending a request
+    at a time would reach. Batching takes a system beyond it; how far is what the sweep finds. Tied to
+    the measured speed, so the sweep fits whatever machine it runs on."""
+    mean_e2e_s = sum(w * base.e2e_s[s.name] for s, w in MIXES[mix])
+    return [float(f"{m / mean_e2e_s:.3g}") for m in multiples]
 
 
 def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict, slos: dict[str, SLO],
@@ -194,7 +206,7 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
     return point
 
 
-def run_mode(mode, args, size: dict, slos: dict[str, SLO] | None, log_dir: Path, rates: dict) -> tuple[dict, dict]:
+def run_mode(mode, args, size: dict, base: Baseline | None, log_dir: Path, rates: dict) -> tuple[dict, Baseline]:
     """Starts the mode's processes, measures the unloaded figures if none yet, sweeps every mix."""
     points: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
@@ -203,20 +215,20 @@ def run_mode(mode, args, size: dict, slos: dict[str, SLO] | None, log_dir: Path,
         log(f"mode {mode.name}: services serving after {time.perf_counter() - t0:.0f} s")
         gen = LoadGen(cl.router_address, f"lg-{mode.name}-{os.getpid()}")
         try:
-            if slos is None:
+            if base is None:
                 shapes = sorted({s.name for m in args.mixes for s, _ in MIXES[m]})
-                slos = measure_unloaded(cl, gen, shapes, size)
+                base = measure_unloaded(cl, gen, shapes, size)
             else:  # a warm-up per worker, so no point pays for first calls
                 gen.run(plan("chat", 10.0, len(mode.workers), seed=1), drain_s=60.0)
             for mix in args.mixes:
-                rates.setdefault(mix, args.rates or sweep_rates(mix, slos, size["fractions"]))
+                rates.setdefault(mix, args.rates or sweep_rates(mix, base, size["multiples"]))
                 points[mix] = []
                 for i, rate in enumerate(rates[mix]):
                     wait_idle(cl)
-                    points[mix].append(run_point(cl, gen, mix, rate, size, slos, seed=1000 * i + len(mix)))
+                    points[mix].append(run_point(cl, gen, mix, rate, size, base.slos, seed=1000 * i + len(mix)))
         finally:
             gen.close()
-    return points, slos
+    return points, base
 
 
 # ----------------------------------------------------------------------------- the report
@@ -257,7 +269,10 @@ def _ratio(num: float, den: float) -> float | None:
 def report_ratios(all_points: dict, good: dict[str, dict[str, float]]) -> None:
     """The issue's targets. A ratio whose modes did not run is printed as skipped, with why."""
     colocated = [m for m in ("colocated-1x2t", "colocated-2x1t") if m in good]
+    ran = {mix for by_mix in good.values() for mix in by_mix}
     for mix in ("long", "blend"):
+        if mix not in ran:
+            continue
         if "disaggregated" not in good or mix not in good["disaggregated"] or not colocated:
             emit_skipped(f"tpot_p99_disaggregated_vs_colocated_{mix}", "needs the disaggregated and a colocated "
                          "mode on this mix", "python -m router.loadgen (all modes; colocated needs the router's "
@@ -287,6 +302,8 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]]) -> None:
              "better colocated variant)", peer=co, peer_value=g_co, ratio=ratio, target="ratio >= 1.5",
              met=ratio is not None and ratio >= 1.5)
     others = [m for m in ("disaggregated", "colocated-1x2t", "colocated-2x1t") if "chat" in good.get(m, {})]
+    if "chat" not in ran:
+        return
     if "chat" not in good.get("conditional", {}) or not others:
         emit_skipped("goodput_conditional_vs_best_chat", "needs the conditional mode and another on chat",
                      "python -m router.loadgen (conditional needs the router's --prefill-mode)")
@@ -318,19 +335,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="CI smoke: disaggregated, chat, 2 rates, 4 requests each")
     p.add_argument("--modes", nargs="+", choices=list(modes(0)), help="default: all (quick: disaggregated)")
     p.add_argument("--mixes", nargs="+", choices=list(MIXES), help="default: all (quick: chat)")
-    p.add_argument("--rates", nargs="+", type=float, help="req/s for every mix; default: fractions of the "
-                   "unloaded prefill rate of each mix (full 0.4 0.7 1.0, quick 0.2 0.5)")
+    p.add_argument("--rates", nargs="+", type=float, help="req/s for every mix; default: multiples of 1 / "
+                   "the mix's unloaded end-to-end time (full 1 2 3.5, quick 0.5 1.5)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool of each decode worker")
     p.add_argument("--remote-prefill-min-tokens", type=int, default=512,
                    help="conditional mode: prompts of at least this many tokens are prefilled remotely")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: docs/ after a full run; "
-                   "none after --quick)")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: docs/ after a full run, "
+                   "none after --quick or a partial one: --modes, --mixes or --rates)")
     p.add_argument("--logs", metavar="DIR", help="service logs (default: a temporary folder)")
     args = p.parse_args(argv)
     all_modes = modes(args.remote_prefill_min_tokens)
     signal.signal(signal.SIGTERM, _interrupt)  # so a kill stops the services too (run_mode's `with`)
     size = QUICK if args.quick else FULL
+    full_run = not (args.quick or args.modes or args.mixes or args.rates)
     args.modes = args.modes or list(size["modes"])
     args.mixes = args.mixes or list(size["mixes"])
     # The unloaded figures (and so the SLOs) come from the first mode: disaggregated, when it runs.
@@ -341,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     has_modes = router_prefill_modes()
     log_dir = Path(args.logs or tempfile.mkdtemp(prefix="loadgen-"))
     all_points: dict[str, dict[str, list[dict]]] = {}
-    slos, rates = None, {}
+    base, rates = None, {}
     for name in args.modes:
         mode = all_modes[name]
         if mode.prefill_mode != "disaggregated" and not has_modes:
@@ -349,17 +367,17 @@ def main(argv: list[str] | None = None) -> dict:
                          "not there yet)", "merge the branch that adds it, then rerun", mode=name)
             continue
         log(f"mode {name}: {mode.about}; logs in {log_dir}")
-        all_points[name], slos = run_mode(mode, args, size, slos, log_dir, rates)
+        all_points[name], base = run_mode(mode, args, size, base, log_dir, rates)
     good = report_goodput(all_points)
     report_ratios(all_points, good)
     emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
-    plots = args.plots or (None if args.quick else "docs")
+    plots = args.plots or ("docs" if full_run else None)
     if plots and all_points:
         from router.loadgen_plot import plot
         for path in plot(all_points, good, Path(plots)):
             log(f"wrote {path}")
-    return {"points": all_points, "goodput": good, "slos": slos}
+    return {"points": all_points, "goodput": good, "slos": base.slos if base else {}}
 
 
 if __name__ == "__main__":
