@@ -164,6 +164,17 @@ def sweep_rates(mix: str, base: Baseline, multiples) -> list[float]:
     return [float(f"{m / mean_e2e_s:.3g}") for m in multiples]
 
 
+def placements(cl: PinnedCluster, results: list[Result]) -> dict[str, int]:
+    """Where each request was prefilled, from its Redis record's prefill_placement ("remote" or "local";
+    "unrecorded" where the router does not write it, as before the placement modes)."""
+    out: dict[str, int] = {}
+    for r in results:
+        record = cl.state.get_request(r.request_id) or {}
+        where = record.get("prefill_placement", "unrecorded")
+        out[where] = out.get(where, 0) + 1
+    return out
+
+
 def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict, slos: dict[str, SLO],
               seed: int) -> dict:
     n = int(min(max(round(rate * size["window_s"]), size["min_requests"]), size["max_requests"]))
@@ -186,17 +197,21 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
     for r in results:
         statuses[r.status] = statuses.get(r.status, 0) + 1
     # What saturates: TTFT of the last third of arrivals against the first third grows when a queue
-    # builds; busy = CPU seconds per wall second of each process (1.0 = one core all the time).
+    # builds; busy = CPU seconds per wall second of each process (1.0 = one core all the time);
+    # prefill_concurrency = prefill seconds summed over requests per wall second (prompts in prefill,
+    # on average: above 1 they wait on each other).
     third = max(1, len(results) // 3)
     first, last = [r.ttft_s for r in results[:third] if r.ok], [r.ttft_s for r in results[-third:] if r.ok]
     point = dict(where, requests=n, statuses=statuses, attainment=attainment(results, slos),
+                 placement=placements(cl, results),
                  misses_ttft=sum(r.ok and r.ttft_s > slos[r.shape].ttft_s for r in results),
                  misses_tpot=sum(r.ok and r.tpot_s > slos[r.shape].tpot_s for r in results),
                  ttft_growth=(statistics.median(last) / statistics.median(first)) if first and last else None,
                  busy={k: round((cpu1.get(k, 0.0) - v) / wall_s, 2) for k, v in cpu0.items()},
-                 prefill_busy={k: round((pre1.get(k, 0.0) - v) / wall_s, 2) for k, v in pre0.items()},
+                 prefill_concurrency={k: round((pre1.get(k, 0.0) - v) / wall_s, 2) for k, v in pre0.items()},
                  output_tok_s=sum(r.output_len for r in ok) / wall_s,
-                 client_lag_ms_max=max(r.sent_s - r.sched_s for r in results) * 1e3, wall_s=wall_s)
+                 client_lag_ms_max=max(r.sent_s - r.sched_s for r in results) * 1e3, wall_s=wall_s,
+                 load_avg_1min=os.getloadavg()[0])
     emit("slo_attainment", point["attainment"], f"share of requests meeting both SLOs (goodput needs "
          f">= {SLO_ATTAINMENT})", **{k: v for k, v in point.items() if k != "attainment"})
     point["latency_ms"] = latency_ms
@@ -249,7 +264,7 @@ def report_goodput(all_points: dict[str, dict[str, list[dict]]]) -> dict[str, di
                 emit("saturation", failed["rate_rps"], "req/s: the first swept rate that missed the SLOs, and "
                      "what the processes did there", mode=mode, mix=mix, statuses=failed["statuses"],
                      misses_ttft=failed["misses_ttft"], misses_tpot=failed["misses_tpot"],
-                     ttft_growth=failed["ttft_growth"], busy=failed["busy"], prefill_busy=failed["prefill_busy"],
+                     ttft_growth=failed["ttft_growth"], busy=failed["busy"], prefill_concurrency=failed["prefill_concurrency"],
                      busiest=busiest)
     return out
 

@@ -96,6 +96,8 @@ def test_quick_run_against_real_processes(tmp_path, capsys):
                 assert sum(k for _, k in r.arrivals) == r.output_len
                 assert 0 < r.ttft_s <= r.e2e_s and r.tpot_s > 0
         assert p["statuses"].get("ok", 0) >= 1, p["statuses"]
+        assert sum(p["placement"].values()) == len(results)  # one Redis record per request
+        assert set(p["placement"]) <= {"remote", "unrecorded"}  # disaggregated: never prefilled locally
         for metric in ("ttft", "tpot", "itl", "e2e"):
             q = p["latency_ms"][metric]
             assert q["p50"] <= q["p90"] <= q["p99"], (metric, q)
