@@ -196,12 +196,13 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
     statuses: dict[str, int] = {}
     for r in results:
         statuses[r.status] = statuses.get(r.status, 0) + 1
-    # What saturates: TTFT of the last third of arrivals against the first third grows when a queue
-    # builds; busy = CPU seconds per wall second of each process (1.0 = one core all the time);
+    # What saturates: TTFT (over its shape's SLO, so that a blend compares like with like) of the last
+    # third of arrivals against the first third grows when a queue builds; busy = CPU seconds per wall second of each process (1.0 = one core all the time);
     # prefill_concurrency = prefill seconds summed over requests per wall second (prompts in prefill,
     # on average: above 1 they wait on each other).
     third = max(1, len(results) // 3)
-    first, last = [r.ttft_s for r in results[:third] if r.ok], [r.ttft_s for r in results[-third:] if r.ok]
+    first = [r.ttft_s / slos[r.shape].ttft_s for r in results[:third] if r.ok]
+    last = [r.ttft_s / slos[r.shape].ttft_s for r in results[-third:] if r.ok]
     point = dict(where, requests=n, statuses=statuses, attainment=attainment(results, slos),
                  placement=placements(cl, results),
                  misses_ttft=sum(r.ok and r.ttft_s > slos[r.shape].ttft_s for r in results),
@@ -261,11 +262,11 @@ def report_goodput(all_points: dict[str, dict[str, list[dict]]]) -> dict[str, di
             failed = next((p for p in points if p["attainment"] < SLO_ATTAINMENT), None)
             if failed is not None:
                 busiest = max(failed["busy"], key=failed["busy"].get)
+                shown = ("statuses", "misses_ttft", "misses_tpot", "ttft_growth", "busy", "prefill_concurrency",
+                         "placement", "load_avg_1min")
                 emit("saturation", failed["rate_rps"], "req/s: the first swept rate that missed the SLOs, and "
-                     "what the processes did there", mode=mode, mix=mix, statuses=failed["statuses"],
-                     misses_ttft=failed["misses_ttft"], misses_tpot=failed["misses_tpot"],
-                     ttft_growth=failed["ttft_growth"], busy=failed["busy"], prefill_concurrency=failed["prefill_concurrency"],
-                     busiest=busiest)
+                     "what the processes did there", mode=mode, mix=mix, busiest=busiest,
+                     **{k: failed[k] for k in shown})
     return out
 
 

@@ -81,7 +81,8 @@ def test_quick_run_against_real_processes(tmp_path, capsys):
     # The SLOs are 4x / 2x the unloaded figures printed before them.
     ttft_ms, tpot_ms = by_name["unloaded_ttft_ms_chat"][0]["value"], by_name["unloaded_tpot_ms_chat"][0]["value"]
     slo = by_name["slo_chat"][0]
-    assert slo["ttft_ms"] == pytest.approx(4 * ttft_ms, rel=1e-2) and slo["tpot_ms"] == pytest.approx(2 * tpot_ms, rel=1e-2)
+    assert slo["ttft_ms"] == pytest.approx(4 * ttft_ms, rel=1e-2)
+    assert slo["tpot_ms"] == pytest.approx(2 * tpot_ms, rel=1e-2)
     slos = out["slos"]
 
     points = out["points"]["disaggregated"]["chat"]
