@@ -197,8 +197,8 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
     for r in results:
         statuses[r.status] = statuses.get(r.status, 0) + 1
     # What saturates: TTFT (over its shape's SLO, so that a blend compares like with like) of the last
-    # third of arrivals against the first third grows when a queue builds; busy = CPU seconds per wall second of each process (1.0 = one core all the time);
-    # prefill_concurrency = prefill seconds summed over requests per wall second (prompts in prefill,
+    # third of arrivals against the first third grows when a queue builds; busy = CPU seconds per wall
+    # second of each process (1.0 = one core all the time); prefill_concurrency = prefill seconds summed over requests per wall second (prompts in prefill,
     # on average: above 1 they wait on each other).
     third = max(1, len(results) // 3)
     first = [r.ttft_s / slos[r.shape].ttft_s for r in results[:third] if r.ok]
@@ -282,12 +282,11 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def report_ratios(all_points: dict, good: dict[str, dict[str, float]]) -> None:
+def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: list[str]) -> None:
     """The issue's targets. A ratio whose modes did not run is printed as skipped, with why."""
     colocated = [m for m in ("colocated-1x2t", "colocated-2x1t") if m in good]
-    ran = {mix for by_mix in good.values() for mix in by_mix}
     for mix in ("long", "blend"):
-        if mix not in ran:
+        if mix not in mixes:
             continue
         if "disaggregated" not in good or mix not in good["disaggregated"] or not colocated:
             emit_skipped(f"tpot_p99_disaggregated_vs_colocated_{mix}", "needs the disaggregated and a colocated "
@@ -318,7 +317,7 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]]) -> None:
              "better colocated variant)", peer=co, peer_value=g_co, ratio=ratio, target="ratio >= 1.5",
              met=ratio is not None and ratio >= 1.5)
     others = [m for m in ("disaggregated", "colocated-1x2t", "colocated-2x1t") if "chat" in good.get(m, {})]
-    if "chat" not in ran:
+    if "chat" not in mixes:
         return
     if "chat" not in good.get("conditional", {}) or not others:
         emit_skipped("goodput_conditional_vs_best_chat", "needs the conditional mode and another on chat",
@@ -362,13 +361,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--logs", metavar="DIR", help="service logs (default: a temporary folder)")
     args = p.parse_args(argv)
     all_modes = modes(args.remote_prefill_min_tokens)
-    signal.signal(signal.SIGTERM, _interrupt)  # so a kill stops the services too (run_mode's `with`)
     size = QUICK if args.quick else FULL
     full_run = not (args.quick or args.modes or args.mixes or args.rates)
     args.modes = args.modes or list(size["modes"])
     args.mixes = args.mixes or list(size["mixes"])
     # The unloaded figures (and so the SLOs) come from the first mode: disaggregated, when it runs.
     args.modes.sort(key=lambda m: m != "disaggregated")
+    # SIGTERM as Ctrl-C, so that a kill stops the services too (run_mode's `with`); put back after.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run(args, size, all_modes, full_run)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args, size: dict, all_modes: dict, full_run: bool) -> dict:
     t_start = time.perf_counter()
     machine_line(args, pinned=shutil.which("taskset") is not None)
     emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
@@ -385,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"mode {name}: {mode.about}; logs in {log_dir}")
         all_points[name], base = run_mode(mode, args, size, base, log_dir, rates)
     good = report_goodput(all_points)
-    report_ratios(all_points, good)
+    report_ratios(all_points, good, args.mixes)
     emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     plots = args.plots or ("docs" if full_run else None)

@@ -130,29 +130,38 @@ class PinnedCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis = EmbeddedRedis().start()
         self.state = StateStore(connect(self.redis.url)[0])
-        common = ["--host", "127.0.0.1", "--redis-url", self.redis.url, "--metrics-port", "0",
-                  "--log-level", "WARNING"]
         for w in self.mode.workers:
             port = free_port()
-            argv = [sys.executable, "-m", f"{w.role}_svc", *common, "--port", str(port), "--advertise-host",
-                    "127.0.0.1", "--worker-id", w.name, "--threads", str(w.threads), "--dtype", self.dtype]
-            if w.role == "decode":
-                argv += ["--kv-port", str(free_port()), "--kv-memory-gib", str(self.kv_memory_gib)]
-            if self.taskset:
-                argv = [self.taskset, "-c", w.cores, *argv]
+            argv = self.worker_argv(w, port, free_port() if w.role == "decode" else 0)
             self._spawn(Proc(w.name, w.role, argv, port, w.threads, self.log_dir / f"{self.mode.name}-{w.name}.log"))
         port = free_port()
-        argv = [sys.executable, "-m", "router", *common, "--port", str(port), "--http-port", "-1"]
-        if self.mode.prefill_mode != "disaggregated":  # the flag exists only where the modes do
-            argv += ["--prefill-mode", self.mode.prefill_mode]
-        if self.mode.prefill_mode == "conditional":
-            argv += ["--remote-prefill-min-tokens", str(self.remote_prefill_min_tokens)]
-        self._spawn(Proc("router", "router", argv, port, 0, self.log_dir / f"{self.mode.name}-router.log"))
+        self._spawn(Proc("router", "router", self.router_argv(port), port, 0,
+                         self.log_dir / f"{self.mode.name}-router.log"))
         deadline = time.monotonic() + START_TIMEOUT_S
         for p in self.procs:
             self._wait_serving(p, deadline)
         self._wait_registered(deadline)
         return self
+
+    def _common_flags(self) -> list[str]:
+        url = self.redis.url if self.redis else "redis://127.0.0.1:0/0"
+        return ["--host", "127.0.0.1", "--redis-url", url, "--metrics-port", "0", "--log-level", "WARNING"]
+
+    def worker_argv(self, w: WorkerSpec, port: int, kv_port: int) -> list[str]:
+        argv = [sys.executable, "-m", f"{w.role}_svc", *self._common_flags(), "--port", str(port),
+                "--advertise-host", "127.0.0.1", "--worker-id", w.name, "--threads", str(w.threads),
+                "--dtype", self.dtype]
+        if w.role == "decode":
+            argv += ["--kv-port", str(kv_port), "--kv-memory-gib", str(self.kv_memory_gib)]
+        return [self.taskset, "-c", w.cores, *argv] if self.taskset else argv
+
+    def router_argv(self, port: int) -> list[str]:
+        argv = [sys.executable, "-m", "router", *self._common_flags(), "--port", str(port), "--http-port", "-1"]
+        if self.mode.prefill_mode != "disaggregated":  # the flag exists only where the modes do
+            argv += ["--prefill-mode", self.mode.prefill_mode]
+        if self.mode.prefill_mode == "conditional":
+            argv += ["--remote-prefill-min-tokens", str(self.remote_prefill_min_tokens)]
+        return argv
 
     def _spawn(self, p: Proc) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(max(p.threads, 1)))
