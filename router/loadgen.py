@@ -198,8 +198,8 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
         statuses[r.status] = statuses.get(r.status, 0) + 1
     # What saturates: TTFT (over its shape's SLO, so that a blend compares like with like) of the last
     # third of arrivals against the first third grows when a queue builds; busy = CPU seconds per wall
-    # second of each process (1.0 = one core all the time); prefill_concurrency = prefill seconds summed over requests per wall second (prompts in prefill,
-    # on average: above 1 they wait on each other).
+    # second of each process (1.0 = one core all the time); prefill_concurrency = prefill seconds summed
+    # over requests per wall second (prompts in prefill on average: above 1 they wait on each other).
     third = max(1, len(results) // 3)
     first = [r.ttft_s / slos[r.shape].ttft_s for r in results[:third] if r.ok]
     last = [r.ttft_s / slos[r.shape].ttft_s for r in results[-third:] if r.ok]
