@@ -143,3 +143,19 @@ def test_modes_pin_workers_and_set_the_routers_placement(tmp_path):
     assert [w[5] for w in workers] == ["prefill_svc", "decode_svc"]
     assert flag(router, "--prefill-mode") == "conditional" and flag(router, "--remote-prefill-min-tokens") == "300"
     assert all(flag(a, "--host") == "127.0.0.1" for a in [*workers, router])  # loopback only
+
+
+def test_conditional_on_long_documents_is_left_out_of_the_full_run():
+    from types import SimpleNamespace
+
+    from router.loadgen_cluster import modes
+
+    all_modes = modes(remote_prefill_min_tokens=512)
+    full = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=512)
+    left_out = [(m, mix) for m in all_modes for mix in ("chat", "long", "blend")
+                if loadgen.same_as_disaggregated(all_modes[m], mix, full)]
+    assert left_out == [("conditional", "long")]  # 1,536-token prompts, all prefilled remotely
+    low = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=2048)
+    assert not loadgen.same_as_disaggregated(all_modes["conditional"], "long", low)
+    asked = SimpleNamespace(modes_asked=True, mixes_asked=True, remote_prefill_min_tokens=512)
+    assert not loadgen.same_as_disaggregated(all_modes["conditional"], "long", asked)
