@@ -313,7 +313,11 @@ def run(args, size: dict, all_modes: dict, full_run: bool) -> dict:
                          "not there yet)", "merge the branch that adds it, then rerun", mode=name)
             continue
         log(f"mode {name}: {mode.about}; logs in {log_dir}")
-        all_points[name], base = run_mode(mode, args, size, base, log_dir, rates)
+        try:
+            all_points[name], base = run_mode(mode, args, size, base, log_dir, rates)
+        except RuntimeError as exc:  # a service that would not start or died: the other modes still run
+            emit_skipped(f"mode_{name}", f"failed: {str(exc).splitlines()[0]}", f"see the service logs in {log_dir}",
+                         mode=name)
     good = report_goodput(all_points)
     report_ratios(all_points, good, args.mixes)
     emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")

@@ -37,8 +37,16 @@ def _best(good: dict[str, dict[str, float]], mix: str, names: list[str]) -> tupl
     return m, g
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
+def _goodput_ratio(name: str, value: float, unit: str, peer: str, peer_value: float, target: str,
+                   met) -> None:
+    """A goodput ratio with its target; a peer goodput of 0 (it missed the SLOs at the lowest swept rate)
+    has no ratio, and says so instead of dividing by it."""
+    if peer_value:
+        emit(name, value, unit, peer=peer, peer_value=peer_value, target=target, met=met(value / peer_value))
+        return
+    print(json.dumps({"name": name, "value": value, "unit": unit, "peer": peer, "peer_value": 0.0, "ratio": None,
+                      "target": target, "met": False, "why": f"{peer} missed the SLOs at the lowest swept rate; "
+                      "a lower --rates would give it a goodput"}), flush=True)
 
 
 def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: list[str]) -> None:
@@ -71,10 +79,8 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: li
                  met=a / b <= 1 / 3, rate_rps=r, per_rate={str(x): round(y / z, 3) for x, y, z in both})
         co, g_co = _best(good, mix, colocated)
         g_dis = good["disaggregated"][mix]
-        ratio = _ratio(g_dis, g_co)
-        emit(f"goodput_disaggregated_vs_colocated_{mix}", g_dis, f"req/s (ratio = disaggregated / {co}, the "
-             "better colocated variant)", peer=co, peer_value=g_co, ratio=ratio, target="ratio >= 1.5",
-             met=ratio is not None and ratio >= 1.5)
+        _goodput_ratio(f"goodput_disaggregated_vs_colocated_{mix}", g_dis, f"req/s (ratio = disaggregated / "
+                       f"{co}, the better colocated variant)", co, g_co, "ratio >= 1.5", lambda x: x >= 1.5)
     others = [m for m in ("disaggregated", "colocated-1x2t", "colocated-2x1t") if "chat" in good.get(m, {})]
     if "chat" not in mixes:
         return
@@ -83,10 +89,8 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: li
                      "python -m router.loadgen (conditional needs the router's --prefill-mode)")
         return
     m, g = _best(good, "chat", others)
-    ratio = _ratio(good["conditional"]["chat"], g)
-    emit("goodput_conditional_vs_best_chat", good["conditional"]["chat"], f"req/s (ratio = conditional / {m}, the "
-         "best of the others)", peer=m, peer_value=g, ratio=ratio, target="ratio >= 0.95",
-         met=ratio is not None and ratio >= 0.95)
+    _goodput_ratio("goodput_conditional_vs_best_chat", good["conditional"]["chat"], f"req/s (ratio = "
+                   f"conditional / {m}, the best of the others)", m, g, "ratio >= 0.95", lambda x: x >= 0.95)
 
 
 def machine_line(args, pinned: bool) -> None:

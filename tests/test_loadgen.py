@@ -159,3 +159,37 @@ def test_conditional_on_long_documents_is_left_out_of_the_full_run():
     assert not loadgen.same_as_disaggregated(all_modes["conditional"], "long", low)
     asked = SimpleNamespace(modes_asked=True, mixes_asked=True, remote_prefill_min_tokens=512)
     assert not loadgen.same_as_disaggregated(all_modes["conditional"], "long", asked)
+
+
+def test_ratio_lines(capsys):
+    from router.loadgen_report import report_ratios
+
+    def point(rate: float, tpot_p99_s: float | None) -> dict:
+        return dict(rate_rps=rate, tpot_p99_s=tpot_p99_s)
+
+    points = {"disaggregated": {"long": [point(0.1, 0.05), point(0.2, 0.06), point(0.4, None)],
+                                "chat": [point(0.5, 0.04)]},
+              "colocated-1x2t": {"long": [point(0.1, 0.2), point(0.2, 0.3), point(0.4, 0.9)],
+                                 "chat": [point(0.5, 0.04)]},
+              "colocated-2x1t": {"long": [point(0.1, 0.1), point(0.2, None), point(0.4, None)],
+                                 "chat": [point(0.5, 0.04)]},
+              "conditional": {"chat": [point(0.5, 0.04)]}}
+    good = {"disaggregated": {"long": 0.2, "chat": 0.5}, "colocated-1x2t": {"long": 0.1, "chat": 0.0},
+            "colocated-2x1t": {"long": 0.0, "chat": 0.0}, "conditional": {"chat": 0.5}}
+    report_ratios(points, good, ["long", "chat"])
+    lines = {d["name"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+    tpot = lines["tpot_p99_disaggregated_vs_colocated-1x2t_long"]
+    assert tpot["rate_rps"] == 0.2 and tpot["ratio"] == pytest.approx(0.2)  # the highest rate both finished
+    assert tpot["met"] is True and tpot["per_rate"] == {"0.1": 0.25, "0.2": 0.2}
+    assert lines["tpot_p99_disaggregated_vs_colocated-2x1t_long"]["rate_rps"] == 0.1
+    g = lines["goodput_disaggregated_vs_colocated_long"]
+    assert g["peer"] == "colocated-1x2t" and g["ratio"] == pytest.approx(2.0) and g["met"] is True
+    c = lines["goodput_conditional_vs_best_chat"]
+    assert c["peer"] == "disaggregated" and c["ratio"] == pytest.approx(1.0) and c["met"] is True
+    assert "goodput_disaggregated_vs_colocated_blend" not in lines  # blend did not run
+
+    good["colocated-1x2t"]["long"] = 0.0  # no colocated goodput: no ratio, and no division by zero
+    report_ratios(points, good, ["long"])
+    lines = {d["name"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+    g = lines["goodput_disaggregated_vs_colocated_long"]
+    assert g["ratio"] is None and g["met"] is False and "lowest swept rate" in g["why"]
