@@ -37,15 +37,16 @@ from router.loadgen_report import machine_line, report_goodput, report_ratios
 from router.loadgen_workload import (CHAT, LONG, MIXES, PROMPT_ID_RANGE, SLO, SLO_ATTAINMENT,
                                      Planned, Result, attainment, percentiles, plan)
 
-# Sizing (docs/benchmarks.md): per rate point, requests = rate x WINDOW_S, clamped to [min, max]; each
-# point then has DRAIN_S after its last arrival before what still runs is cancelled and counted unfinished.
+# Sizing (docs/benchmarks.md): per rate point, requests = rate x window_s, clamped to [min, max]; each
+# point then waits, after its last arrival, until no request still running could meet the SLOs (at most
+# max_drain_s) before it cancels what runs and counts it unfinished: a miss either way.
 FULL = dict(modes=("disaggregated", "colocated-1x2t", "colocated-2x1t", "conditional"), mixes=tuple(MIXES),
-            multiples=(1.0, 2.0, 3.5), window_s=15.0, min_requests=5, max_requests=24, drain_s=25.0, unloaded=3,
-            max_output_len=None)
+            multiples=(1.0, 2.0, 3.5), window_s=15.0, min_requests=5, max_requests=24, max_drain_s=60.0,
+            unloaded=3, max_output_len=None)
 # Quick: the chat mix's prompts with outputs cut to 32 tokens, so that a smoke run on two shared cores
 # stays under 2 minutes (most of it is the services' start).
 QUICK = dict(modes=("disaggregated",), mixes=("chat",), multiples=(0.5, 1.5), window_s=4.0, min_requests=3,
-             max_requests=4, drain_s=10.0, unloaded=1, max_output_len=32)
+             max_requests=4, max_drain_s=20.0, unloaded=1, max_output_len=32)
 IDLE_TIMEOUT_S = 30.0  # between points: until the workers report nothing running or waiting
 SHAPES = {s.name: s for s in (CHAT, LONG)}
 
@@ -176,12 +177,19 @@ def placements(cl: PinnedCluster, results: list[Result]) -> dict[str, int]:
     return out
 
 
+def drain_s(planned: list[Planned], slos: dict[str, SLO], max_drain_s: float) -> float:
+    """How long after the last arrival a request of the point can still meet its SLOs: TTFT at its SLO,
+    then every token at the TPOT SLO (+1 s for the bookkeeping); what runs after that has missed."""
+    longest = max(slos[p.shape].ttft_s + (p.output_len - 1) * slos[p.shape].tpot_s for p in planned)
+    return min(longest + 1.0, max_drain_s)
+
+
 def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict, slos: dict[str, SLO],
               seed: int) -> dict:
     n = int(min(max(round(rate * size["window_s"]), size["min_requests"]), size["max_requests"]))
     planned = plan(mix, rate, n, seed, size["max_output_len"])
     cpu0, pre0, wall0 = cl.cpu_seconds(), cl.prefill_seconds(), time.perf_counter()
-    results, _ = gen.run(planned, size["drain_s"])
+    results, _ = gen.run(planned, drain_s(planned, slos, size["max_drain_s"]))
     wall_s = time.perf_counter() - wall0
     cpu1, pre1 = cl.cpu_seconds(), cl.prefill_seconds()
     cl.check_alive()

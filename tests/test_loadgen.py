@@ -193,3 +193,12 @@ def test_ratio_lines(capsys):
     lines = {d["name"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
     g = lines["goodput_disaggregated_vs_colocated_long"]
     assert g["ratio"] is None and g["met"] is False and "lowest swept rate" in g["why"]
+
+
+def test_a_point_waits_until_no_request_can_still_meet_its_slo():
+    slos = {"chat": SLO(ttft_s=2.0, tpot_s=0.1), "long": SLO(ttft_s=16.0, tpot_s=0.2)}
+    planned = plan("blend", rate_rps=1.0, num_requests=20, seed=1)
+    longest_chat = max(p.output_len for p in planned if p.shape == "chat")
+    want = max(2.0 + (longest_chat - 1) * 0.1, 16.0 + 63 * 0.2) + 1.0
+    assert loadgen.drain_s(planned, slos, max_drain_s=60.0) == pytest.approx(want)
+    assert loadgen.drain_s(planned, slos, max_drain_s=10.0) == 10.0  # bounded
