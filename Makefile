@@ -15,7 +15,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF \
 	-DLLAVA_BUILD=OFF
 
-.PHONY: run test bench bench-peers protos clean venv
+.PHONY: run test bench bench-load bench-peers protos clean venv
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ bench: protos
 		"\`make bench-peers\` installs it (compiles llama.cpp, 5-7 minutes on 2 cores)"
 	$(PY) -m common.bench.engine $(ARGS)
 	$(PY) -m router.bench $(ARGS)
+	$(MAKE) --no-print-directory bench-load
+
+# Open-loop Poisson load on pinned service processes, per placement mode (about 30 minutes; ARGS=--quick
+# for a 2-minute smoke). Writes docs/loadgen-*.png after a full run.
+bench-load: protos
+	$(PY) -m router.loadgen $(ARGS)
 
 bench-peers: $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir $(LLAMA_CPP_PYTHON)
