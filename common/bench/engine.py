@@ -529,7 +529,7 @@ def bench_memory(probes: dict[str, subprocess.Popen]) -> None:
 
 def start_memory_probes(dtype: str, threads: int) -> dict[str, subprocess.Popen]:
     """One fresh process per system, so each high-water mark is its own; they run while we load."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     return {who: subprocess.Popen([sys.executable, "-m", "common.bench.engine", "--memory-probe", who, "--dtype", dtype,
                                    "--threads", str(threads)], stdout=subprocess.PIPE, text=True, cwd=root)
             for who in ("ours", "hf")}

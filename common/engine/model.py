@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.config import ModelConfig
+from common.engine.weights import release_freed_pages
 
 
 @dataclass
@@ -73,8 +74,9 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, device):
         w = weight.to(device=device, dtype=torch.float32)
-        scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
-        self.codes = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        # max |w| per row without a full-size |w| temporary (the LM head is the largest weight)
+        scales = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).clamp_min(1e-12) / 127.0  # [out]
+        self.codes = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()
         self.scales = scales.to(torch.bfloat16)
         self.nbytes = self.codes.numel() + self.scales.numel() * 2
 
@@ -133,10 +135,13 @@ class Llama(torch.nn.Module):
         self.embed = w("model.embed_tokens.weight")  # [V, dim]
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
         head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
-        self.lm_head_fp32 = None if dtype == torch.float32 else w32(head)
+        head_fp32 = w32(head)  # read once: the refinement's exact copy and the int8 head's source
+        self.lm_head_fp32 = None if dtype == torch.float32 else head_fp32
         # Decode's LM head: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
         # REFINE_TOP logits of every row are then recomputed exactly in fp32.
-        self.lm_head_int8 = Int8Linear(tensors[head], device)
+        self.lm_head_int8 = Int8Linear(head_fp32, device)
+        del head_fp32
+        release_freed_pages()
         self.final_norm = w32("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -155,6 +160,7 @@ class Llama(torch.nn.Module):
                 w134=w4(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 w24=w4(p + "mlp.down_proj.weight"),
             ))
+            release_freed_pages()  # the layer's temporary fp32 copies: peak memory stays near the model's
         cos, sin = rope_tables(c, c.max_position, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.q_size = c.num_heads * c.head_dim

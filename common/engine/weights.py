@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,11 +50,11 @@ class ModelLoadError(ValueError):
 @dataclass
 class LoadedWeights:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF names, fp32, [out, in] for projections
+    tensors: Mapping[str, torch.Tensor]  # HF names, fp32, [out, in] for projections (GGUF: read at access)
     weights_id: str  # content hash of the weight files: the model's identity on the wire
     source: Path
     # 4-bit tensors exactly as stored (GGUF Q4_0/Q4_1): name -> Int4Weight, for fast small-batch decode.
-    int4: dict[str, "Int4Weight"] = field(default_factory=dict)
+    int4: Mapping[str, "Int4Weight"] = field(default_factory=dict)
 
 
 @dataclass
@@ -179,12 +180,9 @@ def open_gguf(path: Path):
 
 
 def _load_gguf(path: Path, progress: bool) -> LoadedWeights:
-    import gguf
-
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    tensors: dict[str, torch.Tensor] = {}
-    int4: dict[str, Int4Weight] = {}
+    entries: dict[str, tuple] = {}  # HF name -> (the file's tensor, heads to un-permute or None)
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress,
                   leave=False):
         hf_name = _gguf_to_hf_name(t.name, path)
@@ -194,25 +192,56 @@ def _load_gguf(path: Path, progress: bool) -> LoadedWeights:
         if qtype not in SUPPORTED_GGUF_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has type {qtype}, which is not supported "
                                  f"(supported: {', '.join(SUPPORTED_GGUF_TYPES)})")
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: tensor {t.name} ({qtype}) could not be read: {exc}; "
-                                 f"the file may be truncated or corrupt") from exc
-        # GGUF lists dimensions innermost first; numpy's view is already [out, in].
-        expected = tuple(int(d) for d in reversed(t.shape))
-        if w.shape != expected:
-            w = w.reshape(expected)
+        if t.data.nbytes != t.n_bytes:  # the memory map ends early: caught now, not at first use
+            raise ModelLoadError(f"{path}: tensor {t.name} ({qtype}) has {t.data.nbytes} of its {t.n_bytes} "
+                                 f"bytes; the file is truncated or corrupt")
         heads = (config.num_heads if t.name.endswith("attn_q.weight") else
                  config.num_kv_heads if t.name.endswith("attn_k.weight") else None)
-        if heads is not None:
-            w = _undo_llama_cpp_permute(w, heads)
-        tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
-        q4 = _int4_from_gguf(t, heads)
-        if q4 is not None:
-            int4[hf_name] = q4
-    _check_complete(tensors, config, path)
-    return LoadedWeights(config, tensors, file_digest([path]), path, int4)
+        entries[hf_name] = (t, heads)
+    _check_complete({name: tuple(int(d) for d in reversed(t.shape)) for name, (t, _) in entries.items()},
+                    config, path)
+    tensors = GGUFTensors(path, entries, _dequantize)
+    int4 = {name: e for name, e in entries.items() if e[0].tensor_type.name in ("Q4_0", "Q4_1")}
+    return LoadedWeights(config, tensors, file_digest([path]), path, GGUFTensors(path, int4, _int4_from_gguf))
+
+
+class GGUFTensors(Mapping):
+    """HF name -> a weight read from the memory-mapped GGUF file at each access, and not kept: a model
+    built from it holds one copy of its weights (its own), never a second full fp32 set beside it, so
+    loading peaks at about the model's own size."""
+
+    def __init__(self, path: Path, entries: dict[str, tuple], read):
+        self._path = path
+        self._entries = entries
+        self._read = read  # (tensor, heads) -> the value
+
+    def __getitem__(self, name: str):
+        t, heads = self._entries[name]
+        try:
+            return self._read(t, heads)
+        except Exception as exc:
+            raise ModelLoadError(f"{self._path}: tensor {t.name} ({t.tensor_type.name}) could not be read: "
+                                 f"{exc}; the file may be truncated or corrupt") from exc
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _dequantize(t, heads: int | None) -> torch.Tensor:
+    """One GGUF tensor as HF has it: fp32, [out, in], llama.cpp's Q/K row order undone."""
+    import gguf
+
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    # GGUF lists dimensions innermost first; numpy's view is already [out, in].
+    expected = tuple(int(d) for d in reversed(t.shape))
+    if w.shape != expected:
+        w = w.reshape(expected)
+    if heads is not None:
+        w = _undo_llama_cpp_permute(w, heads)
+    return torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
 def _gguf_to_hf_name(name: str, path: Path) -> str | None:
@@ -288,7 +317,7 @@ def _load_hf_folder(folder: Path, progress: bool) -> LoadedWeights:
                                  f"the file may be truncated or corrupt") from exc
         for name, t in shard.items():
             tensors[name] = t.float()
-    _check_complete(tensors, config, folder)
+    _check_complete({name: tuple(t.shape) for name, t in tensors.items()}, config, folder)
     return LoadedWeights(config, tensors, file_digest(files), folder)
 
 
@@ -299,7 +328,8 @@ def _index_shards(index: Path) -> list[str]:
         raise ModelLoadError(f"{index}: not a valid safetensors index ({type(exc).__name__}: {exc})") from exc
 
 
-def _check_complete(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> None:
+def _check_complete(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, source: Path) -> None:
+    """Every tensor the model needs is there, with the shape its metadata implies (name -> shape)."""
     c = config
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     expected = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -320,10 +350,10 @@ def _check_complete(tensors: dict[str, torch.Tensor], config: ModelConfig, sourc
             p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         })
     for name, shape in expected.items():
-        if name not in tensors:
+        if name not in shapes:
             raise ModelLoadError(f"{source}: tensor {name} is missing")
-        if tuple(tensors[name].shape) != shape:
-            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+        if tuple(shapes[name]) != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(shapes[name])}, "
                                  f"expected {shape} from the model's metadata")
 
 
@@ -349,10 +379,17 @@ def weights_id_of(name_or_path: str | Path) -> str:
 def trim_memory() -> None:
     """Hand freed heap pages back to the OS: the fp32 copies made while loading are gone by now,
     but glibc keeps their pages (~550 MiB for SmolLM2) unless asked."""
-    import ctypes
     import gc
 
     gc.collect()
+    release_freed_pages()
+
+
+def release_freed_pages() -> None:
+    """glibc's malloc_trim alone (no garbage collection: cheap enough to call once per layer while a
+    model is built, so that one layer's temporary fp32 copies never pile up on the next ones')."""
+    import ctypes
+
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc: nothing to do
