@@ -145,8 +145,10 @@ class DecodeSession:
         w.inbox.take_async(key, job.kv_wait_s, kv_arrived)
 
     def _cancel(self, key: str) -> None:
+        # Also for a request never started here: a push of its KV that came already is dropped, one
+        # still to come is refused (the router cancels attempts that ended before their decode began).
+        self.w.inbox.cancel(key)
         if key in self._live:
-            self.w.inbox.cancel(key)
             self.w.engine.cancel(key)
 
     def _fail_now(self, request_id: str, attempt: int, exc: Exception) -> None:

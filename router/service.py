@@ -279,18 +279,24 @@ class GenerateCall:
                                              reservation_id=self.rid, attempt=attempt)),
             timeout=self._timeout(deadline)))
         prefill_fields = {}
-        if not resumed:
-            first = self._next(prefill_call, pw, deadline)
-            if first is None or not first.HasField("first_token"):
-                raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
-            prefill_fields["cached_tokens"] = first.first_token.cached_tokens
-            msg = self._push([first.first_token.token_id],
-                             [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
-            if msg is not None:
-                yield msg
-            if self.out.finish_reason is not None:
-                return self.out.finish_reason
-        self._record(RequestState.TRANSFERRING, **prefill_fields)
+        try:
+            if not resumed:
+                first = self._next(prefill_call, pw, deadline)
+                if first is None or not first.HasField("first_token"):
+                    raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
+                prefill_fields["cached_tokens"] = first.first_token.cached_tokens
+                msg = self._push([first.first_token.token_id],
+                                 [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
+                if msg is not None:
+                    yield msg
+                if self.out.finish_reason is not None:
+                    return self.out.finish_reason
+            self._record(RequestState.TRANSFERRING, **prefill_fields)
+        except BaseException:
+            # Ended (failed, cancelled, client gone) before its decode started: the push may still land,
+            # and nobody would claim it. The decode worker drops it, or refuses it if it comes later.
+            r.sessions.drop_kv(dw, self.rid, attempt)
+            raise
         decode_call = self._start_decode(dw, attempt, deadline)
         done = self._next(prefill_call, pw, deadline)
         if done is None or not done.HasField("transfer_done"):

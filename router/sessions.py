@@ -163,6 +163,11 @@ class DecodeSessions:
     def start(self, worker: WorkerInfo, request: internal_pb2.DecodeRequest, deadline: float) -> SessionCall:
         return self._session(worker).start(request, deadline)
 
+    def drop_kv(self, worker: WorkerInfo, request_id: str, attempt: int) -> None:
+        """An attempt that will never decode: its KV, pushed or still to come, is dropped by the worker."""
+        self._session(worker).send(internal_pb2.SessionRequest(cancel=internal_pb2.SessionCancel(
+            request_id=request_id, attempt=attempt)))
+
     def _session(self, worker: WorkerInfo) -> Session:
         key = (worker.address, worker.epoch)
         with self._lock:

@@ -320,3 +320,34 @@ def test_a_shared_prefix_is_neither_recomputed_nor_pushed_again(cluster):
     assert int(second["skipped_tokens"]) == reusable
     assert int(second["kv_bytes"]) == d.fingerprint().kv_bytes(n - reusable)
     assert second_ids == first_ids
+
+
+def test_a_session_cancel_drops_kv_of_an_attempt_that_never_decodes(cluster):
+    """The router cancels, on its decode session, an attempt that ended between its first token and its
+    decode (client gone, a failure): KV pushed already is dropped at once, KV pushed later is refused."""
+    import queue
+
+    d = cluster.decode[0]
+    early, late = f"early-{time.monotonic_ns()}", f"late-{time.monotonic_ns()}"
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    ch = grpc.insecure_channel(d.address)
+    stream = internal_pb2_grpc.DecodeWorkerStub(ch).DecodeSession(iter(requests.get, None), timeout=60)
+    try:
+        prefill(cluster, early)
+        wait_parked(d, 1)
+        for rid in (early, late):
+            requests.put(internal_pb2.SessionRequest(cancel=internal_pb2.SessionCancel(request_id=rid, attempt=1)))
+        wait_parked(d, 0)  # long before the KV wait (30 s) would have dropped it
+        deadline = time.monotonic() + 10
+        while f"{late}#1" not in d.inbox._cancelled:  # the cancel is read on the session's own thread
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as err:
+            prefill(cluster, late)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert d.engine.num_parked == 0
+    finally:
+        requests.put(None)
+        stream.cancel()
+        ch.close()
+        release_all(cluster)
