@@ -30,7 +30,7 @@ def colocated(tmp_path_factory):
     c.stop()
 
 
-@pytest.mark.parametrize("victim", ["decode-0", "decode-1"])
+@pytest.mark.parametrize("victim", ["decode-0"])  # decode-1 is its mirror image (and the suite's time is short)
 def test_kill_decode_worker_colocated(colocated, victim):
     kill_mid_stream(colocated, fault_free(colocated), victim, "0P+2D colocated")
     records = [colocated.state.get_request(rid) for rid in colocated.state.recent_request_ids(limit=500)[0]]
