@@ -11,6 +11,11 @@ import time
 from typing import Callable
 
 
+def seq_key(request_id: str, attempt: int) -> str:
+    """The key of one attempt of a request, in the inbox and the engine ('#' cannot occur in a request id)."""
+    return f"{request_id}#{attempt}"
+
+
 class KVInbox:
     """key -> (arrival time, tokens) of K/V parked in the pool, until its Decode call takes it.
 

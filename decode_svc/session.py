@@ -21,6 +21,7 @@ from common.engine.engine import TokenEvent
 from common.engine.output import FinishReason
 from common.grpc_util import ServiceError
 from common.wire import FINISH_TO_PB, logprobs_to_pb
+from decode_svc.inbox import seq_key
 from protos import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class DecodeSession:
                 if req.HasField("start"):
                     self._start(req.start)
                 elif req.HasField("cancel"):
-                    self._cancel(f"{req.cancel.request_id}#{req.cancel.attempt}")
+                    self._cancel(seq_key(req.cancel.request_id, req.cancel.attempt))
         except grpc.RpcError:
             pass  # the router went away: _close() (the context's callback) cancels what it left
         except Exception:  # noqa: BLE001 - a bug here must end the stream, not leave it hanging
@@ -105,8 +106,6 @@ class DecodeSession:
             self.context.cancel()
 
     def _start(self, request: internal_pb2.DecodeRequest) -> None:
-        from decode_svc.worker import seq_key
-
         w = self.w
         key = seq_key(request.request_id, request.attempt)
         guard = contextlib.ExitStack()
@@ -194,7 +193,7 @@ class DecodeSession:
 
     def _gather(self, item, ready: dict) -> None:
         if isinstance(item, internal_pb2.SessionEvent):  # refused at its start
-            ready[f"{item.request_id}#{item.attempt}"] = item
+            ready[seq_key(item.request_id, item.attempt)] = item
             return
         key, ev = item
         with self._lock:

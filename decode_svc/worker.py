@@ -20,7 +20,7 @@ from common.kv_wire import MAX_PREFIX_BLOCKS, KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
 from common.wire import FINISH_TO_PB, check_request_id, check_token_ids, logprobs_to_pb, sampling_from_pb
 from common.worker import WorkerBase
-from decode_svc.inbox import KVInbox
+from decode_svc.inbox import KVInbox, seq_key
 from decode_svc.session import DecodeSession, PendingEvent
 from protos import internal_pb2, internal_pb2_grpc
 
@@ -48,11 +48,6 @@ class DecodeJob:
     seed: int
     prefill_here: bool  # colocated: prefill the prompt here, no push to wait for
     kv_wait_s: float  # how long to wait for the push
-
-
-def seq_key(request_id: str, attempt: int) -> str:
-    """The engine's id of one attempt of a request ('#' cannot occur in a request id)."""
-    return f"{request_id}#{attempt}"
 
 
 class DecodeWorker(WorkerBase):
