@@ -18,7 +18,7 @@ from common.engine.planner import plan
 from common.grpc_util import ServiceError
 from common.kv_wire import MAX_PREFIX_BLOCKS, KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
-from common.wire import FINISH_TO_PB, check_request_id, check_token_ids, logprobs_to_pb, sampling_from_pb
+from common.wire import check_request_id, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox, seq_key
 from decode_svc.session import DecodeSession, PendingEvent

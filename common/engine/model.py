@@ -255,7 +255,6 @@ class Llama(torch.nn.Module):
         # A chunk after the first: its queries see the sequence's whole K/V so far (cached prefix,
         # earlier chunks, itself), causally. The same computation whether the prefix was cached or
         # computed a moment ago, so outputs do not depend on cache hits.
-        c = self.config
         ctx_kv = layer_kv.index_select(0, ctx.context_slots)  # [end, 2, Hkv, D]
         k = ctx_kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]
         v = ctx_kv[:, 1].transpose(0, 1).unsqueeze(0)
