@@ -1,9 +1,11 @@
 """The KV wire format: one sequence's KV cache as a KVHeader followed by checksummed KVData chunks.
 
 Payload layout "L2THD": the row-major bytes of a [num_layers, 2 (K, V), num_tokens, num_kv_heads,
-head_dim] tensor. The sender (prefill) calls encode_kv(); the receiver (decode) feeds the stream
-to a KVReceiver chunk by chunk, so it can reject a push the moment it goes wrong and never holds
-more than max_bytes. A push from a stale worker epoch or a different model is rejected before a
+head_dim] tensor, or of consecutive segments of the sequence, each laid out so for its own tokens
+(a push streamed while the prefill computes, one segment per prefill chunk). The sender (prefill)
+calls encode_kv() or encode_kv_segments(); the receiver (decode) feeds the stream to a KVReceiver
+chunk by chunk, so it can reject a push the moment it goes wrong and never holds more than
+max_bytes (plus one segment). A push from a stale worker epoch or a different model is rejected before a
 byte of payload is kept (DESIGN.md, invariant 3).
 """
 from __future__ import annotations
@@ -102,21 +104,50 @@ def encode_kv(kv: torch.Tensor, *, request_id: str, target_worker_id: str, targe
     uint8): the only copy is into each message. kv must not change until the iterator is done.
     """
     num_tokens = _check_kv(kv, fingerprint)
+    yield from encode_kv_segments(iter([kv]), [num_tokens], request_id=request_id, target_worker_id=target_worker_id,
+                                  target_epoch=target_epoch, fingerprint=fingerprint, reservation_id=reservation_id,
+                                  attempt=attempt, prefix_hashes=prefix_hashes, chunk_bytes=chunk_bytes)
+
+
+def encode_kv_segments(segments: Iterator[torch.Tensor], segment_tokens: list[int], *, request_id: str,
+                       target_worker_id: str, target_epoch: str, fingerprint: ModelFingerprint,
+                       reservation_id: str = "", attempt: int = 0, prefix_hashes: list[bytes] = (),
+                       chunk_bytes: int = CHUNK_BYTES) -> Iterator[internal_pb2.KVChunk]:
+    """Yield the header, then each segment's data chunks as `segments` hands the segment over.
+
+    The streamed push: the header announces the segments' token counts up front (a prefill knows
+    its chunks before it computes them), and segment k's chunks go out as soon as `segments` yields
+    its K/V, [num_layers, 2, segment_tokens[k], num_kv_heads, head_dim]; so a consumer that blocks
+    until the prefill computed the next chunk streams the KV while the prefill runs. One segment is
+    the plain push (its header names no segments, as before segments existed).
+    """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    payload = memoryview(kv.detach().cpu().reshape(-1).view(torch.uint8).numpy())  # [L*2*T*H*D*itemsize]
-    total_bytes = payload.nbytes
-    num_chunks = math.ceil(total_bytes / chunk_bytes)
+    if not segment_tokens or any(t < 1 for t in segment_tokens):
+        raise ValueError(f"segment_tokens must be a non-empty list of counts >= 1, got {segment_tokens}")
+    per_token = fingerprint.kv_bytes(1)
+    total_bytes = per_token * sum(segment_tokens)
+    num_chunks = sum(math.ceil(t * per_token / chunk_bytes) for t in segment_tokens)
     yield internal_pb2.KVChunk(header=internal_pb2.KVHeader(
         request_id=request_id, target_worker_id=target_worker_id, target_epoch=target_epoch,
-        fingerprint=fingerprint.to_pb(), num_tokens=num_tokens, total_bytes=total_bytes, num_chunks=num_chunks,
-        layout=LAYOUT, reservation_id=reservation_id, attempt=attempt, prefix_hashes=list(prefix_hashes)))
-    for index in range(num_chunks):
-        offset = index * chunk_bytes
-        piece = payload[offset:offset + chunk_bytes]
-        # protobuf takes bytes, not a memoryview: this is the one copy per chunk.
-        yield internal_pb2.KVChunk(data=internal_pb2.KVData(
-            index=index, offset=offset, payload=bytes(piece), crc32=zlib.crc32(piece)))
+        fingerprint=fingerprint.to_pb(), num_tokens=sum(segment_tokens), total_bytes=total_bytes,
+        num_chunks=num_chunks, layout=LAYOUT, reservation_id=reservation_id, attempt=attempt,
+        prefix_hashes=list(prefix_hashes), segment_tokens=segment_tokens if len(segment_tokens) > 1 else []))
+    index = offset = 0
+    for k, want in enumerate(segment_tokens):
+        kv = next(segments, None)
+        if kv is None:
+            return  # the caller stopped feeding (the push was abandoned) and cancels the call
+        if _check_kv(kv, fingerprint) != want:
+            raise ValueError(f"segment {k} holds {kv.shape[2]} tokens, the header announced {want}")
+        payload = memoryview(kv.detach().cpu().reshape(-1).view(torch.uint8).numpy())  # [L*2*T*H*D*itemsize]
+        for start in range(0, payload.nbytes, chunk_bytes):
+            piece = payload[start:start + chunk_bytes]
+            # protobuf takes bytes, not a memoryview: this is the one copy per chunk.
+            yield internal_pb2.KVChunk(data=internal_pb2.KVData(
+                index=index, offset=offset, payload=bytes(piece), crc32=zlib.crc32(piece)))
+            index += 1
+            offset += piece.nbytes
 
 
 def _check_kv(kv: torch.Tensor, fp: ModelFingerprint) -> int:
@@ -151,7 +182,14 @@ class KVReceiver:
         self.header: internal_pb2.KVHeader | None = None
         self.num_chunks_received = 0
         self.kv_bytes = 0  # payload bytes received so far
+        self._open = False  # a header was accepted and finish() has not run
+        # One segment: the payload's bytes, viewed as the tensor at finish(). Several: the segment
+        # being received; each is copied into _kv as it completes (_seg is its index, _seg_start its
+        # first byte and _seg_token its first token), so finish() has nothing left to assemble.
         self._buf: bytearray | None = None
+        self._segments: list[int] = []
+        self._kv: torch.Tensor | None = None
+        self._seg = self._seg_start = self._seg_token = 0
 
     @property
     def request_id(self) -> str:
@@ -191,8 +229,21 @@ class KVReceiver:
         if not 1 <= header.num_chunks <= header.total_bytes:
             raise KVTransferError("size", f"num_chunks must be in [1, total_bytes={header.total_bytes}], "
                                           f"got {header.num_chunks}")
+        segments = list(header.segment_tokens) or [header.num_tokens]
+        if any(t < 1 for t in segments) or sum(segments) != header.num_tokens:
+            raise KVTransferError("shape", f"segment_tokens must be counts >= 1 summing to num_tokens="
+                                           f"{header.num_tokens}, got {len(segments)} segments summing to "
+                                           f"{sum(segments)}")
         self._admit(header)
-        self._buf = bytearray(header.total_bytes)  # bounded by max_bytes above
+        fp = self.expected_fingerprint
+        self._segments = segments
+        if len(segments) > 1:  # bounded by max_bytes above, plus one segment being received
+            self._kv = torch.empty(fp.num_layers, 2, header.num_tokens, fp.num_kv_heads, fp.head_dim,
+                                   dtype=fp.torch_dtype)
+            self._buf = bytearray(fp.kv_bytes(segments[0]))
+        else:
+            self._buf = bytearray(header.total_bytes)  # bounded by max_bytes above
+        self._open = True
         self.header = header
 
     def _check_fingerprint(self, header: internal_pb2.KVHeader) -> None:
@@ -206,10 +257,10 @@ class KVReceiver:
                                                      f"{want_value!r}, got {got_value!r}")
 
     def on_data(self, data: internal_pb2.KVData) -> None:
-        header, buf = self.header, self._buf
+        header = self.header
         if header is None:
             raise KVTransferError("order", f"data chunk {data.index} arrived before the header")
-        if buf is None:
+        if not self._open:
             raise KVTransferError("order", f"data chunk {data.index} arrived after the push was finished")
         if data.index < self.num_chunks_received:
             raise KVTransferError("duplicate", f"chunk {data.index} arrived again "
@@ -239,9 +290,31 @@ class KVReceiver:
         if crc != data.crc32:
             raise KVTransferError("checksum", f"chunk {data.index} (offset {data.offset}, {size} bytes): "
                                               f"crc32 expected {data.crc32:#010x}, computed {crc:#010x}")
-        buf[data.offset:end] = data.payload
+        if self._kv is None:
+            self._buf[data.offset:end] = data.payload
+        else:
+            self._write_segments(data.offset, memoryview(data.payload))
         self.kv_bytes = end
         self.num_chunks_received += 1
+
+    def _write_segments(self, offset: int, payload: memoryview) -> None:
+        """Copy a chunk's bytes into the segment being received; place each segment it completes."""
+        fp = self.expected_fingerprint
+        while payload.nbytes:
+            at = offset - self._seg_start
+            take = min(payload.nbytes, len(self._buf) - at)
+            self._buf[at:at + take] = payload[:take]
+            offset, payload = offset + take, payload[take:]
+            if at + take < len(self._buf):
+                continue
+            tokens = self._segments[self._seg]
+            piece = torch.frombuffer(self._buf, dtype=fp.torch_dtype).view(
+                fp.num_layers, 2, tokens, fp.num_kv_heads, fp.head_dim)
+            self._kv[:, :, self._seg_token:self._seg_token + tokens].copy_(piece)
+            self._seg += 1
+            self._seg_start, self._seg_token = offset, self._seg_token + tokens
+            more = self._seg < len(self._segments)
+            self._buf = bytearray(fp.kv_bytes(self._segments[self._seg])) if more else bytearray()
 
     def on_chunk(self, chunk: internal_pb2.KVChunk) -> None:
         """Dispatch one stream message to on_header or on_data."""
@@ -258,13 +331,16 @@ class KVReceiver:
         header, buf = self.header, self._buf
         if header is None:
             raise KVTransferError("truncated", "stream ended before the header")
-        if buf is None:
+        if not self._open:
             raise KVTransferError("order", f"push of request {header.request_id!r} was already finished")
         if self.num_chunks_received != header.num_chunks or self.kv_bytes != header.total_bytes:
             raise KVTransferError("truncated", f"stream ended after {self.num_chunks_received} of "
                                                f"{header.num_chunks} chunks ({self.kv_bytes} of "
                                                f"{header.total_bytes} bytes)")
         fp = self.expected_fingerprint
-        self._buf = None  # the tensor now owns the bytes
+        self._open, self._buf = False, None  # the tensor now owns the bytes
+        if self._kv is not None:
+            kv, self._kv = self._kv, None
+            return kv  # every segment was placed as it completed
         kv = torch.frombuffer(buf, dtype=fp.torch_dtype)  # zero-copy view of the received bytes
         return kv.view(fp.num_layers, 2, header.num_tokens, fp.num_kv_heads, fp.head_dim)

@@ -45,6 +45,9 @@ KV_USED_RATIO = Gauge("handoff_decode_kv_blocks_used_ratio", "KV blocks in use /
 KV_BYTES = Counter("handoff_kv_transfer_bytes_total", "KV bytes shipped", ["worker", "direction"])
 KV_SECONDS = Histogram("handoff_kv_transfer_seconds", "Seconds per KV transfer", ["worker"],
                        buckets=_LATENCY_BUCKETS)
+KV_EXPOSED_SECONDS = Histogram("handoff_kv_transfer_exposed_seconds",
+                               "Seconds from a prefill's first token to its KV push's reply: the transfer the "
+                               "prefill did not hide", ["worker"], buckets=_LATENCY_BUCKETS)
 KV_FAILURES = Counter("handoff_kv_transfer_failures_total", "KV transfers that failed", ["worker", "reason"])
 PREFIX_TOKENS = Counter("handoff_prefix_cache_tokens_total",
                         "Prompt tokens admitted for prefill (kind=prompt) and of them found in the prefix cache "

@@ -61,6 +61,7 @@ class WorkerConfig:
     kv_wait_s: float = 30.0  # how long KV that arrived may wait for its Decode call, and vice versa
     # prefill only: its own small pool holds prompts only while they are computed
     prefill_kv_tokens: int = 16384
+    stream_kv: bool = True  # push a prompt's K/V chunk by chunk while its prefill computes the rest
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

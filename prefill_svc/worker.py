@@ -10,11 +10,11 @@ import grpc
 from common import grpc_util, metrics
 from common.engine.engine import EngineConfig, TokenEvent
 from common.grpc_util import ServiceError
-from common.kv_wire import encode_kv
 from common.engine.output import FinishReason
 from common.state import WorkerInfo
 from common.wire import check_request_id, check_token_ids, logprobs_to_pb, sampling_from_pb
 from common.worker import WorkerBase
+from prefill_svc.push import StreamedPush, push_after
 from protos import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class PrefillWorker(WorkerBase):
         # Channels to decode workers' KV ports; targets come with each request, pods come and go.
         self.kv_channels = grpc_util.ChannelCache(credentials=self.channel_credentials,
                                                   server_name=self.config.tls.server_name)
+        self.stream_kv = self.config.stream_kv  # read per request: router.bench compares both on one worker
 
     def _num_blocks(self) -> int:
         # K/V lives here only while a prompt is computed and exported.
@@ -78,94 +79,53 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
         if not (target.worker_id and target.kv_address and target.epoch):
             raise ValueError("target must name the decode worker: worker_id, kv_address and epoch")
         t0 = time.perf_counter()
-        events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        context.add_callback(lambda: w.engine.cancel(key))
-        w.engine.submit(key, ids, params, events.put, seed=seed, output_ids=resumed)
-        ev = events.get()
-        if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-            if not context.is_active():
-                return
-            raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
-                               else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
-        if resumed and ev.finish_reason is not None:
-            # The engine replays the completion first and stops where it ends: no KV was computed.
-            raise ValueError(f"output_ids already end the request ({ev.finish_reason.value}: a stop token or "
-                             f"string, max_tokens or the context); there is nothing to resume")
-        prefill_s = time.perf_counter() - t0
-        metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
-        metrics.PREFIX_TOKENS.labels(w.config.worker_id, "prompt").inc(len(ids))
-        metrics.PREFIX_TOKENS.labels(w.config.worker_id, "cached").inc(ev.cached_tokens)
-        if ev.token_ids:
-            # The first token goes out at once; TTFT does not wait for the KV transfer. When it ends
-            # the request already (EOS, a stop, max_tokens 1), nobody will decode: no KV is pushed.
-            finished = ev.finish_reason is not None
-            first = internal_pb2.FirstToken(token_id=ev.token_ids[0], prefill_s=prefill_s, finished=finished,
-                                           cached_tokens=ev.cached_tokens)
-            if ev.logprobs:
-                first.logprob.CopyFrom(logprobs_to_pb(ev.logprobs[0]))
-            yield internal_pb2.PrefillEvent(first_token=first)
-            if finished:
-                return
-        if context.is_active():
-            yield internal_pb2.PrefillEvent(transfer_done=self._push(rid, ev, target, context))
-
-    def _push(self, rid: str, ev: TokenEvent, target, context) -> internal_pb2.TransferDone:
-        """Push the prompt's K/V, less the leading blocks the decode worker's prefix cache holds."""
-        t0 = time.perf_counter()
-        bs = self.w.config.block_size
-        with self.w.kv_channels.use(target.kv_address) as ch:
-            stub = internal_pb2_grpc.KVTransferStub(ch)
-            # The last token's block always travels: a push carries at least one token.
-            hashes = (ev.block_hashes or [])[:(ev.kv.shape[2] - 1) // bs]
-            skip = self._cached_prefix(stub, rid, hashes, target, context) if hashes else 0
-            try:
-                reply = self._send(stub, rid, ev.kv[:, :, skip * bs:], hashes[:skip], target, context)
-            except grpc.RpcError as exc:
-                if not skip or exc.code() != grpc.StatusCode.ABORTED:
-                    raise self._push_failed(rid, target, exc) from exc
-                skip = 0  # the prefix was evicted meanwhile: all of it, then
-                try:
-                    reply = self._send(stub, rid, ev.kv, [], target, context)
-                except grpc.RpcError as exc:
-                    raise self._push_failed(rid, target, exc) from exc
-        transfer_s = time.perf_counter() - t0
-        wid = self.w.config.worker_id
-        metrics.KV_BYTES.labels(wid, "out").inc(reply.kv_bytes)
-        metrics.KV_SECONDS.labels(wid).observe(transfer_s)
-        num_chunks = -(-reply.kv_bytes // (1 << 20))
-        return internal_pb2.TransferDone(kv_bytes=reply.kv_bytes, num_chunks=num_chunks, transfer_s=transfer_s,
-                                         skipped_tokens=skip * bs)
-
-    def _cached_prefix(self, stub, rid: str, hashes: list[bytes], target, context) -> int:
+        events: queue.SimpleQueue = queue.SimpleQueue()  # TokenEvents, or the StreamedPush that failed
+        # A prompt of several chunks streams its K/V while the later chunks are computed; one chunk's K/V
+        # is ready with the first token, so it goes after it, as one piece.
+        push = None
+        if w.stream_kv and len(ids) > w.config.prefill_chunk_tokens:
+            push = StreamedPush(w, rid, target, context, ids, on_failure=events.put).start()
         try:
-            reply = stub.CachedPrefix(internal_pb2.CachedPrefixRequest(block_hashes=hashes),
-                                      timeout=min(2.0, context.time_remaining() or 2.0))
-        except grpc.RpcError as exc:
-            raise self._push_failed(rid, target, exc) from exc
-        return min(reply.num_blocks, len(hashes))
-
-    def _send(self, stub, rid: str, kv, prefix_hashes: list[bytes], target, context) -> internal_pb2.PushKVReply:
-        chunks = encode_kv(kv.contiguous(), request_id=rid, target_worker_id=target.worker_id,
-                           target_epoch=target.epoch, fingerprint=self.w.fingerprint(),
-                           reservation_id=target.reservation_id, attempt=target.attempt, prefix_hashes=prefix_hashes)
-        push = stub.PushKV.future(chunks, timeout=context.time_remaining())
-        # The Prefill call ending (request cancelled, router gone) ends the push too.
-        context.add_callback(push.cancel)
-        try:
-            return push.result()
-        except grpc.FutureCancelledError:
-            raise ServiceError(grpc.StatusCode.CANCELLED, f"KV push of {rid} cancelled with its request") from None
-
-    def _push_failed(self, rid: str, target, exc: grpc.RpcError) -> ServiceError:
-        """The status a failed push ends the Prefill call with, charged to whoever failed."""
-        code = exc.code()
-        metrics.KV_FAILURES.labels(self.w.config.worker_id, code.name.lower()).inc()
-        message = (f"KV push of {rid} to decode worker {target.worker_id} ({target.kv_address}) failed: "
-                   f"{code.name}: {exc.details()}")
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
-            return ServiceError(grpc.StatusCode.INTERNAL, message)  # what this worker sent was bad
-        if code == grpc.StatusCode.DATA_LOSS:  # damaged in transit: neither worker is to blame
-            return ServiceError(code, message, grpc_util.blame("link", target.worker_id, target.epoch))
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            code = grpc.StatusCode.UNAVAILABLE
-        return ServiceError(code, message, grpc_util.blame("decode", target.worker_id, target.epoch))
+            context.add_callback(lambda: w.engine.cancel(key))
+            w.engine.submit(key, ids, params, events.put, seed=seed, output_ids=resumed,
+                            kv_sink=push.put if push is not None else None)
+            ev = events.get()
+            if isinstance(ev, StreamedPush):  # the decode worker is gone or refused: nobody to prefill for
+                w.engine.cancel(key)
+                ev.result()  # raises what the push failed with
+            if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                if not context.is_active():
+                    return
+                raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
+                                   else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
+            if resumed and ev.finish_reason is not None:
+                # The engine replays the completion first and stops where it ends: no KV was computed.
+                raise ValueError(f"output_ids already end the request ({ev.finish_reason.value}: a stop token or "
+                                 f"string, max_tokens or the context); there is nothing to resume")
+            prefill_s = time.perf_counter() - t0
+            metrics.PREFILL_SECONDS.labels(w.config.worker_id).observe(prefill_s)
+            metrics.PREFIX_TOKENS.labels(w.config.worker_id, "prompt").inc(len(ids))
+            metrics.PREFIX_TOKENS.labels(w.config.worker_id, "cached").inc(ev.cached_tokens)
+            t_first = None
+            if ev.token_ids:
+                # The first token goes out at once; TTFT does not wait for the KV transfer. When it ends
+                # the request already (EOS, a stop, max_tokens 1), nobody will decode: no KV is pushed
+                # (a streamed push is abandoned, and the decode worker drops what arrived).
+                finished = ev.finish_reason is not None
+                first = internal_pb2.FirstToken(token_id=ev.token_ids[0], prefill_s=prefill_s, finished=finished,
+                                               cached_tokens=ev.cached_tokens)
+                if ev.logprobs:
+                    first.logprob.CopyFrom(logprobs_to_pb(ev.logprobs[0]))
+                if push is not None:
+                    push.first_token_sent()
+                t_first = time.perf_counter()
+                yield internal_pb2.PrefillEvent(first_token=first)
+                if finished:
+                    return
+            if context.is_active():
+                done = (push.result() if push is not None else
+                        push_after(w, rid, ev.kv, ev.block_hashes, target, context, t_first))
+                yield internal_pb2.PrefillEvent(transfer_done=done)
+        finally:
+            if push is not None:
+                push.abandon()  # a no-op once the push has its reply

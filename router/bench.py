@@ -32,7 +32,7 @@ from common.worker import WorkerConfig
 from router.cluster import Cluster
 from router.config import RouterConfig
 
-SECTIONS = ("ttft", "kv", "itl", "streams32", "prefix")
+SECTIONS = ("ttft", "kv", "stream", "itl", "streams32", "prefix")
 PEER = "engine-alone"
 TIMEOUT_S = 600.0
 HTTP2_FRAME_BYTES = 16384  # gRPC's default SETTINGS_MAX_FRAME_SIZE: one 9-byte frame header per this many bytes
@@ -306,6 +306,42 @@ def bench_kv(cl, client: ClusterClient, prompts: dict, rids: dict[int, list[str]
         log(f"KV {n} tokens: wire {wire} B, theoretical {theory} B, {len(records)} records")
 
 
+def bench_stream(cl, client: ClusterClient, tokenizer, lengths: tuple[int, ...], reps: int) -> None:
+    """The KV transfer the prefill leaves exposed (from sending the first token to the push's reply, when
+    the decode worker has every byte placed), streamed while the prefill computes against pushed after
+    it: the prefill worker's stream_kv switched between requests, alternating, in the same run."""
+    p = cl.prefill[0]
+    try:
+        for n in lengths:
+            text, _ = chat_prompt(tokenizer, n)
+            got: dict[bool, list[dict]] = {True: [], False: []}
+            for i in range(reps):
+                for stream in (True, False) if i % 2 == 0 else (False, True):
+                    p.stream_kv = stream
+                    rid = f"bench-stream-{n}-{stream}-{i}-{os.getpid()}"
+                    client.generate(text, 2, rid)
+                    record = cl.state.get_request(rid)
+                    if record and record.get("exposed_s") is not None:
+                        got[stream].append(record)
+            if not got[True] or not got[False]:
+                log(f"stream {n} tokens: no record with a transfer")
+                continue
+            exposed = {k: statistics.median(float(r["exposed_s"]) for r in v) for k, v in got.items()}
+            prefill = statistics.median(float(r["prefill_s"]) for r in got[True])
+            segments = int(got[True][0]["kv_segments"])
+            emit(f"kv_exposed_ms_{n}tok", ms(exposed[True]), "ms from the first token to the push's reply, streamed "
+                 "(ratio = streamed / pushed after the prefill)", peer="pushed after the prefill",
+                 peer_value=ms(exposed[False]), samples=len(got[True]), segments=segments, prompt_len=n)
+            ratio = exposed[True] / prefill
+            emit(f"kv_exposed_vs_prefill_{n}tok", ratio, "exposed transfer / prefill time (medians, streamed)",
+                 prefill_ms=ms(prefill), exposed_ms=ms(exposed[True]),
+                 **(dict(target="<= 0.10 at 1,024 tokens and above", met=ratio <= 0.10) if n >= 1024 else {}))
+            log(f"stream {n} tokens: exposed {ms(exposed[True]):.1f} ms streamed ({segments} segments), "
+                f"{ms(exposed[False]):.1f} ms after; prefill {ms(prefill):.0f} ms")
+    finally:
+        p.stream_kv = p.config.stream_kv
+
+
 def _kv_counter(registry, cl) -> float:
     """KV bytes the prefill workers have counted as pushed so far."""
     return sum(registry.get_sample_value("handoff_kv_transfer_bytes_total",
@@ -403,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
             rids = bench_ttft(client, alone, prompts, ttft_reps)
         if "kv" in sections:
             bench_kv(cl, client, prompts, rids, reps=2 if q else 4)
+        if "stream" in sections:
+            bench_stream(cl, client, tokenizer, (128, 1024) if q else (128, 1024, 4096), reps=1 if q else 4)
         if "itl" in sections:
             bench_itl(client, alone, prompts[128], itl_rounds, itl_tokens)
         if "streams32" in sections:

@@ -285,6 +285,7 @@ class GenerateCall:
                 if first is None or not first.HasField("first_token"):
                     raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
                 prefill_fields["cached_tokens"] = first.first_token.cached_tokens
+                prefill_fields["prefill_s"] = round(first.first_token.prefill_s, 6)
                 msg = self._push([first.first_token.token_id],
                                  [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
                 if msg is not None:
@@ -303,6 +304,8 @@ class GenerateCall:
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
         self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
                      transfer_s=round(done.transfer_done.transfer_s, 6),
+                     exposed_s=round(done.transfer_done.exposed_s, 6),
+                     kv_segments=done.transfer_done.num_segments,
                      skipped_tokens=done.transfer_done.skipped_tokens)
         return (yield from self._relay_decode(decode_call, dw, deadline))
 

@@ -50,7 +50,7 @@ def ttft_s(record: dict) -> float | None:
     return None
 
 
-_NUMERIC_FIELDS = {"kv_bytes": int, "transfer_s": float}
+_NUMERIC_FIELDS = {"kv_bytes": int, "transfer_s": float, "exposed_s": float, "prefill_s": float, "kv_segments": int}
 
 
 def request_summary(record: dict, now: float) -> dict:
@@ -170,7 +170,10 @@ def format_request(rid: str, summary: dict) -> str:
     lines.append(f"  time to first token {duration(s.pop('ttft_s'))}, total {duration(s.pop('e2e_s'))}, "
                  f"queued {duration(s.pop('age_s'))} ago")
     if "kv_bytes" in s:
-        lines.append(f"  KV: {s.pop('kv_bytes') / 1e6:.2f} MB in {duration(s.pop('transfer_s', None))}")
+        segments = s.pop("kv_segments", None)
+        lines.append(f"  KV: {s.pop('kv_bytes') / 1e6:.2f} MB in {duration(s.pop('transfer_s', None))}"
+                     + (f" ({segments} segments streamed while prefilling)" if segments and segments > 1 else "")
+                     + (f", {duration(s.pop('exposed_s'))} after the first token" if "exposed_s" in s else ""))
     error = s.pop("error", None)
     t_queued = s.pop("t_queued")
     lines += [f"  {name}: {value}" for name, value in sorted(s.items())]  # seed and whatever else the router wrote

@@ -515,3 +515,47 @@ def test_cached_prefixes_are_evicted_least_recently_used_when_the_pool_needs_roo
     after = generate(engine, {names[0]: (shared_prompts[names[0]], GREEDY)})
     fresh = generate(make_engine(num_blocks=80), {names[0]: (shared_prompts[names[0]], GREEDY)})
     assert after[names[0]].token_ids == fresh[names[0]].token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_kv_sink_gets_the_prompts_kv_chunk_by_chunk_with_the_same_bits(make_engine, prompts, dtype):
+    """prefill_only with a kv_sink (the streamed push): every computed chunk's K/V as it is ready, a
+    prefix-cache hit's at admission; together bit-identical to the K/V a plain prefill exports, and the
+    same first token."""
+    ids = prompts["d"]
+    chunk = 3 * BLOCK
+    assert len(ids) > 3 * chunk and len(ids) % chunk
+    plain = generate(make_engine(num_blocks=64, dtype=dtype, block_size=BLOCK, prefill_only=True,
+                                 prefill_chunk_tokens=chunk), {"p": (ids, GREEDY)})["p"].events[-1]
+    engine = make_engine(num_blocks=64, dtype=dtype, block_size=BLOCK, prefill_only=True, prefill_chunk_tokens=chunk)
+    for run in ("cold", "warm"):
+        pieces = []
+        sinks = Sinks()
+        engine.submit(run, ids, GREEDY, sinks.sink(run), kv_sink=lambda a, b, kv: pieces.append((a, b, kv)))
+        for _ in range(100):  # its last event carries no K/V, which Sinks would wait for
+            if sinks[run].events and engine.num_active == 0:
+                break
+            engine.step()
+        assert len(sinks[run].events) == 1, run
+        last = sinks[run].events[-1]
+        assert last.kv is None and last.token_ids == plain.token_ids, run
+        bounds = [(a, b) for a, b, _ in pieces]
+        assert bounds[0][0] == 0 and bounds[-1][1] == len(ids)
+        assert all(b1 == a2 for (_, b1), (a2, _) in zip(bounds, bounds[1:])), bounds
+        if run == "cold":
+            assert len(pieces) == -(-len(ids) // chunk)  # one per chunk
+        else:  # the cached whole chunks in one piece, then the rest
+            assert bounds[0] == (0, (len(ids) - 1) // chunk * chunk) and last.cached_tokens == bounds[0][1]
+        got = torch.cat([kv for _, _, kv in pieces], dim=2)
+        assert got.dtype == plain.kv.dtype and torch.equal(got.view(torch.uint8), plain.kv.view(torch.uint8)), run
+    # A first token that ends the request: the last chunk's K/V is never handed over (nobody will decode).
+    assert_all_free(engine)
+    engine = make_engine(num_blocks=64, dtype=dtype, block_size=BLOCK, prefill_only=True, prefill_chunk_tokens=chunk)
+    pieces = []
+    sinks = Sinks()
+    engine.submit("ends", ids, replace(GREEDY, max_tokens=1), sinks.sink("ends"),
+                  kv_sink=lambda a, b, kv: pieces.append((a, b, kv)))
+    run_until_done(engine, sinks)
+    assert sinks["ends"].finish_reason == FinishReason.LENGTH
+    assert [(a, b) for a, b, _ in pieces] == [(k, k + chunk) for k in range(0, (len(ids) - 1) // chunk * chunk, chunk)]
+    assert_all_free(engine)

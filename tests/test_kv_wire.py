@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import pytest
 import torch
 
 from common.engine.config import ModelConfig
 from common.kv_wire import (CHUNK_BYTES, KVReceiver, KVTransferError, ModelFingerprint, dtype_name,
-                            encode_kv)
+                            encode_kv, encode_kv_segments)
 from protos import internal_pb2
 
 SMOL = ModelFingerprint(weights_id="sha256:5m0l", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
@@ -295,3 +296,88 @@ def test_chunk_after_finish_is_rejected():
     feed(rx, chunks)
     with pytest.raises(KVTransferError, match="after the push was finished"):
         rx.on_chunk(chunks[1])
+
+
+# --- Streamed pushes: one segment per prefill chunk -----------------------------------------------------
+
+def encode_segments(kv: torch.Tensor, bounds: list[int], fp: ModelFingerprint = TINY,
+                    chunk_bytes: int = TINY_CHUNK) -> list[internal_pb2.KVChunk]:
+    """kv sent as the segments bounds[k] .. bounds[k+1]-1, each handed over as its own tensor."""
+    pieces = iter([kv[:, :, a:b].contiguous() for a, b in zip(bounds, bounds[1:])])
+    tokens = [b - a for a, b in zip(bounds, bounds[1:])]
+    chunks = encode_kv_segments(pieces, tokens, request_id="req-1", target_worker_id=WORKER, target_epoch=EPOCH,
+                                fingerprint=fp, reservation_id="res-1", chunk_bytes=chunk_bytes)
+    return [internal_pb2.KVChunk.FromString(c.SerializeToString()) for c in chunks]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bounds", [[0, 4, 8, 10], [0, 3, 10], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+def test_a_streamed_push_assembles_the_same_bits(dtype, bounds):
+    fp = dataclasses.replace(TINY, dtype=dtype)
+    kv = random_kv(fp, 10, seed=3)
+    chunks = encode_segments(kv, bounds, fp)
+    assert list(chunks[0].header.segment_tokens) == [b - a for a, b in zip(bounds, bounds[1:])]
+    assert chunks[0].header.total_bytes == fp.kv_bytes(10)
+    assert same_bits(feed(receiver(fp), chunks), kv)
+
+
+def test_a_one_segment_push_is_the_plain_push():
+    kv = random_kv(TINY, 10)
+    assert encode_segments(kv, [0, 10]) == encode(kv)
+
+
+def test_chunks_that_span_segments_are_placed_right():
+    """The sender never spans two segments with one chunk; the format allows it, so the receiver must
+    cope: the same payload re-cut into chunks of 700 bytes (segments are 1,024 and 1,536 bytes)."""
+    kv = random_kv(TINY, 10, seed=5)
+    header = encode_segments(kv, [0, 4, 10])[0].header
+    payload = b"".join(kv[:, :, a:b].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                       for a, b in ((0, 4), (4, 10)))
+    size = 700
+    pieces = [payload[o:o + size] for o in range(0, len(payload), size)]
+    header.num_chunks = len(pieces)
+    chunks = [internal_pb2.KVChunk(header=header)] + [
+        internal_pb2.KVChunk(data=internal_pb2.KVData(index=i, offset=i * size, payload=p, crc32=zlib.crc32(p)))
+        for i, p in enumerate(pieces)]
+    assert same_bits(feed(receiver(), chunks), kv)
+
+
+@pytest.mark.parametrize("segments", [[4, 5], [4, 7], [0, 10], [10, 0]])
+def test_segments_that_do_not_add_up_are_rejected(segments):
+    chunks = encode_segments(random_kv(TINY, 10), [0, 4, 10])
+    del chunks[0].header.segment_tokens[:]
+    chunks[0].header.segment_tokens.extend(segments)
+    with pytest.raises(KVTransferError) as err:
+        receiver().on_chunk(chunks[0])
+    assert err.value.code == "shape" and "segment_tokens" in str(err.value)
+
+
+def test_a_streamed_push_cut_in_its_second_segment_is_truncated():
+    rx = receiver()
+    chunks = encode_segments(random_kv(TINY, 10), [0, 4, 8, 10])
+    for chunk in chunks[:4]:  # the header, the first segment's 2 chunks, half of the second
+        rx.on_chunk(chunk)
+    with pytest.raises(KVTransferError) as err:
+        rx.finish()
+    assert err.value.code == "truncated"
+
+
+def test_the_sender_stops_when_the_segments_stop():
+    """An abandoned push (the prefill ended, the call is cancelled): the encoder ends where its
+    segments do, and what it sent is a truncated push the receiver refuses."""
+    kv = random_kv(TINY, 10)
+    chunks = list(encode_kv_segments(iter([kv[:, :, :4].contiguous()]), [4, 6], request_id="r",
+                                     target_worker_id=WORKER, target_epoch=EPOCH, fingerprint=TINY,
+                                     chunk_bytes=TINY_CHUNK))
+    assert len(chunks) == 1 + 2
+    rx = receiver()
+    with pytest.raises(KVTransferError) as err:
+        feed(rx, chunks)
+    assert err.value.code == "truncated"
+
+
+def test_a_segment_of_the_wrong_size_is_not_sent():
+    kv = random_kv(TINY, 10)
+    with pytest.raises(ValueError, match="announced"):
+        list(encode_kv_segments(iter([kv[:, :, :5].contiguous()]), [4, 6], request_id="r", target_worker_id=WORKER,
+                                target_epoch=EPOCH, fingerprint=TINY))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import grpc_util
@@ -28,6 +29,7 @@ from router.cluster import Cluster
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [1, 504, 3458, 282, 253, 2415, 314, 253, 12149]  # any token ids will do
+LONG = (PROMPT * 90)[:3 * 256 + 21]  # four prefill chunks of the default 256 tokens: a streamed push
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +45,16 @@ def health(address: str, service: str = "") -> int:
 
 
 def prefill(cluster, rid: str, *, max_tokens: int = 8, output_ids=(), epoch=None, kv_address=None,
-            reserve: bool = True, attempt: int = 1):
+            reserve: bool = True, attempt: int = 1, prompt=PROMPT):
     """A Prefill call straight to the prefill worker (what the router sends), under a lease on decode-0."""
     d = cluster.decode[0]
     if reserve:
-        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, 4, ttl_s=30).ok
+        blocks = -(-(len(prompt) + max_tokens) // d.config.block_size)
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, blocks, ttl_s=30).ok
     target = internal_pb2.KVTarget(worker_id=d.config.worker_id, kv_address=kv_address or d.kv_address,
                                    epoch=epoch or d.epoch, reservation_id=rid, attempt=attempt)
     request = internal_pb2.PrefillRequest(
-        request_id=rid, prompt_ids=PROMPT, output_ids=list(output_ids), target=target,
+        request_id=rid, prompt_ids=prompt, output_ids=list(output_ids), target=target,
         sampling=sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), 0))
     ch = grpc.insecure_channel(cluster.prefill[0].address)
     try:
@@ -78,6 +81,53 @@ def test_a_first_token_that_ends_the_request_pushes_no_kv(cluster):
     events = prefill(cluster, f"one-{time.monotonic_ns()}", max_tokens=1)
     assert len(events) == 1 and events[0].first_token.finished
     assert d.engine.num_parked == 0 and d.inbox.num_parked == 0
+
+
+def test_a_streamed_push_whose_first_token_ends_the_request_leaves_no_kv(cluster):
+    """A long prompt's push starts while it prefills; a first token that ends the request abandons it, and
+    the decode worker drops what had arrived: nothing parked, the pool whole."""
+    d = cluster.decode[0]
+    free = d.engine.pool.num_free_blocks
+    events = prefill(cluster, f"one-long-{time.monotonic_ns()}", max_tokens=1, prompt=LONG)
+    assert len(events) == 1 and events[0].first_token.finished
+    deadline = time.monotonic() + 10
+    while d.num_inflight or d.engine.pool.num_free_blocks != free:
+        assert time.monotonic() < deadline, f"{d.num_inflight} calls, {free - d.engine.pool.num_free_blocks} blocks"
+        time.sleep(0.02)
+    assert d.engine.num_parked == 0 and d.inbox.num_parked == 0
+    release_all(cluster)
+
+
+def test_a_long_prompt_streams_its_kv_while_it_prefills_with_the_same_bits(cluster):
+    """One segment per prefill chunk, sent as each is computed: what the decode worker parks is bit for bit
+    what the push after the prefill parks, the first token is the same, and less of the transfer is left
+    after the first token than the whole push takes."""
+    d, p = cluster.decode[0], cluster.prefill[0]
+    chunk = p.config.prefill_chunk_tokens
+    got = {}
+    try:
+        for stream in (True, False):
+            p.stream_kv = stream
+            rid = f"stream-{stream}-{time.monotonic_ns()}"
+            events = prefill(cluster, rid, prompt=LONG)
+            assert [e.WhichOneof("event") for e in events] == ["first_token", "transfer_done"]
+            done = events[1].transfer_done
+            assert done.num_segments == (-(-len(LONG) // chunk) if stream else 1)
+            assert done.kv_bytes == d.fingerprint().kv_bytes(len(LONG))
+            assert done.exposed_s > 0 and (done.exposed_s < done.transfer_s or not stream)
+            wait_parked(d, 1)
+            got[stream] = (events[0].first_token.token_id, d.engine.runner.cache.export_seq(f"{rid}#1", len(LONG)),
+                           done)
+            d.inbox.cancel(f"{rid}#1")
+            wait_parked(d, 0)
+            release_all(cluster)
+    finally:
+        p.stream_kv = p.config.stream_kv
+    (tok_s, kv_s, done_s), (tok_p, kv_p, done_p) = got[True], got[False]
+    assert tok_s == tok_p
+    assert torch.equal(kv_s.view(torch.uint8), kv_p.view(torch.uint8))
+    # Streamed, most of the transfer happened during the prefill (2 of its 4 chunks' time at least).
+    assert done_s.transfer_s - done_s.exposed_s > events[0].first_token.prefill_s / 2
     release_all(cluster)
 
 
@@ -112,8 +162,9 @@ def test_a_resumed_prefill_pushes_without_sampling(cluster):
     release_all(cluster)
 
 
+@pytest.mark.parametrize("prompt", ["short", "streamed"])
 @pytest.mark.parametrize("fault", ["stale epoch", "no lease", "dead address"])
-def test_a_failed_push_is_charged_to_the_decode_worker(cluster, fault):
+def test_a_failed_push_is_charged_to_the_decode_worker(cluster, fault, prompt):
     """The prefill worker did its part: the status it returns names the decode worker in its trailers,
     so the router excludes the decode worker, not the prefill worker (the only one, here)."""
     d = cluster.decode[0]
@@ -123,7 +174,7 @@ def test_a_failed_push_is_charged_to_the_decode_worker(cluster, fault):
     kw = {"stale epoch": dict(epoch="an-old-epoch"), "no lease": dict(reserve=False),
           "dead address": dict(kv_address=dead)}[fault]
     with pytest.raises(grpc.RpcError) as err:
-        prefill(cluster, f"blame-{time.monotonic_ns()}", **kw)
+        prefill(cluster, f"blame-{time.monotonic_ns()}", prompt=LONG if prompt == "streamed" else PROMPT, **kw)
     code = err.value.code()
     assert code == (grpc.StatusCode.UNAVAILABLE if fault == "dead address" else grpc.StatusCode.FAILED_PRECONDITION)
     role, worker_id, epoch = grpc_util.blamed(err.value)

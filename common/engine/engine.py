@@ -79,6 +79,10 @@ class Sequence:
     num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    # prefill_only: called (start, end, K/V of positions start .. end-1) as the prompt's K/V is ready: a
+    # prefix-cache hit at admission, each computed chunk, the last one after the first token is sampled
+    # and only if it does not end the request; the last event then carries no kv.
+    kv_sink: Callable[[int, int, torch.Tensor], None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -142,15 +146,18 @@ class Engine:
     def submit(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
                sink: Callable[[TokenEvent], None], *, seed: int | None = None,
                output_ids: list[int] | None = None, kv: torch.Tensor | None = None,
-               parked: bool = False) -> None:
+               parked: bool = False, kv_sink: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
         """Queue a sequence. With `output_ids`, it resumes after tokens already generated (their K/V
         is replayed). With `kv` (the prompt's K/V, [layers, 2, len(prompt_ids), Hkv, D]) or `parked`
-        (that K/V was placed by park() under seq_id), it skips the prompt's prefill."""
+        (that K/V was placed by park() under seq_id), it skips the prompt's prefill. With `kv_sink`
+        (prefill_only), the prompt's K/V goes to it piece by piece as it is computed, called from the
+        engine thread (keep it non-blocking), instead of with the last event."""
         seq = Sequence(seq_id, list(prompt_ids), params,
                        seed if seed is not None else derive_seed(params.seed), sink,
                        OutputProcessor(self.tokenizer, params, len(prompt_ids), self.max_context,
                                        detokenize=self.config.detokenize),
-                       output_ids=list(output_ids or []), kv=kv, parked=parked)
+                       output_ids=list(output_ids or []), kv=kv, parked=parked,
+                       kv_sink=kv_sink if self.config.prefill_only else None)
         if kv is not None and kv.shape[2] != len(seq.prompt_ids):
             raise ValueError(f"kv holds {kv.shape[2]} tokens, the prompt has {len(seq.prompt_ids)}")
         # Resumed sequences: replay earlier tokens so stop strings and length see them.
@@ -350,6 +357,8 @@ class Engine:
             seq.num_registered = len(prefix)
             self.num_prompt_tokens += len(seq.prompt_ids)
             self.num_cached_tokens += seq.num_computed
+            if seq.kv_sink is not None and seq.num_computed:
+                seq.kv_sink(0, seq.num_computed, self.runner.cache.export_seq(seq.seq_id, seq.num_computed))
             self.prefilling.append(seq)
             admitted = True
         return admitted
@@ -383,6 +392,8 @@ class Engine:
                 budget -= end - start
                 ran = True
                 self._register(seq)
+                if seq.kv_sink is not None and end < n:  # the last chunk's waits for the first token
+                    seq.kv_sink(start, end, self.runner.cache.export_seq(seq.seq_id, end, start))
             if seq.num_computed == n:
                 self.prefilling.remove(seq)
                 done.append((seq, logits, hidden))
@@ -439,7 +450,14 @@ class Engine:
             if seq.output.finish_reason is not None:
                 self._finish(seq, seq.output.finish_reason, token_ids=[tok], logprobs=logprobs)
                 return
-        kv = self.runner.cache.export_seq(seq.seq_id, len(seq.prompt_ids))
+        n, kv = len(seq.prompt_ids), None
+        if seq.kv_sink is not None:
+            # The last chunk's K/V only now, once the first token does not end the request: a push of a
+            # request nobody will decode stays incomplete, and the decode worker drops it.
+            start = (n - 1) // self.hasher.chunk_tokens * self.hasher.chunk_tokens
+            seq.kv_sink(start, n, self.runner.cache.export_seq(seq.seq_id, n, start))
+        else:
+            kv = self.runner.cache.export_seq(seq.seq_id, n)
         self._finish(seq, None, kv=kv, token_ids=[] if tok is None else [tok], logprobs=logprobs,
                      block_hashes=seq.block_hashes, cached_tokens=seq.num_cached)
 
