@@ -8,7 +8,7 @@ import time
 import grpc
 
 from common import grpc_util, metrics
-from common.engine.engine import EngineConfig, TokenEvent
+from common.engine.engine import EngineConfig
 from common.grpc_util import ServiceError
 from common.engine.output import FinishReason
 from common.state import WorkerInfo

@@ -123,7 +123,7 @@ def test_a_long_prompt_streams_its_kv_while_it_prefills_with_the_same_bits(clust
             release_all(cluster)
     finally:
         p.stream_kv = p.config.stream_kv
-    (tok_s, kv_s, done_s), (tok_p, kv_p, done_p) = got[True], got[False]
+    (tok_s, kv_s, done_s), (tok_p, kv_p, _) = got[True], got[False]
     assert tok_s == tok_p
     assert torch.equal(kv_s.view(torch.uint8), kv_p.view(torch.uint8))
     # Streamed, most of the transfer happened during the prefill (2 of its 4 chunks' time at least).
