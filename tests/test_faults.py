@@ -64,6 +64,45 @@ def test_kill_mid_stream(procs, reference, victim):
     kill_mid_stream(procs, reference, victim, TOPOLOGY)
 
 
+def test_kill_decode_worker_while_streamed_pushes_are_in_flight(procs):
+    """Prompts of three prefill chunks stream their KV while they prefill; kill -9 a decode worker that
+    such a push is going to: the prefill worker ends that Prefill call at once, charged to the decode
+    worker, and the router retries on the other one. Every stream completes with the fault-free tokens
+    and nothing is left held."""
+    words = "and then it walked on through the long grass while the sun went down "
+    specs = [Spec(f"{kind}-long-{a}", f"The story of a {a} who " + words * 40, kind, max_tokens=8)
+             for kind in ("greedy", "sampled") for a in ("cat", "dog")]
+    reference = fault_free(procs, specs)
+    victim = "decode-0"
+    threads, results = run_many(procs.router_address, specs, "kill-streamed")
+    deadline = time.monotonic() + 60
+    target = None
+    while target is None:
+        assert time.monotonic() < deadline, "no request prefilled for the victim"
+        for rid in procs.state.reservations(victim):
+            record = procs.state.get_request(rid)
+            if record and record["state"] == RequestState.PREFILLING and record.get("prefill_worker"):
+                target = rid
+        time.sleep(0.02)
+    time.sleep(0.4)  # into its prefill: the push is open and its first segments are on their way
+    t_kill = procs.kill(victim)
+    join(threads)
+    procs.restart(victim)
+    left = settle_and_measure(procs)
+    assert_terminal(procs, results)
+    moved = [r for r in results if int(procs.state.get_request(r.rid).get("attempt", 1)) > 1]
+    report(fault=f"kill -9 {victim} during streamed pushes", topology=TOPOLOGY, streams=len(results),
+           completed=sum(r.completed for r in results),
+           identical=sum(r.completed and r.ids == reference[r.spec.name] for r in results),
+           failed_over=len(moved), all_done_after_kill_s=round(max(r.times[-1] for r in results) - t_kill, 3),
+           leaked_blocks=left["blocks_used"], parked_or_running=left["sequences"], leases_left=left["leases"])
+    for r in results:
+        assert r.completed, f"{r.rid}: {r.error}"
+        assert r.ids == reference[r.spec.name], f"{r.rid} ({r.spec.kind}) differs from the fault-free run"
+    assert target in {r.rid for r in moved}, "the request whose push was cut did not move to the other worker"
+    assert not any(left.values()), left
+
+
 def test_kill_router_mid_stream_ends_every_record_within_the_lease_ttl(procs):
     """A router that dies leaves no record in flight: whoever beats next (a worker, another router)
     reaps its requests once its registration lapses, and releases their leases."""
