@@ -374,11 +374,11 @@ class Engine:
 
     def _prefill_chunks(self) -> bool:
         """Run prompt chunks, oldest sequence first, up to the token budget (at least one chunk); a
-        sequence whose last chunk ran gets its first token (the prompt alone, even for a resumed
-        sequence: its completion is replayed by decode rows)."""
+        sequence whose last chunk ran gets its first token at once, before the next prompt's chunks
+        run (the prompt alone, even for a resumed sequence: its completion is replayed by decode
+        rows). Sampling is row-invariant, so a first token does not depend on what ran with it."""
         budget = self.config.max_prefill_tokens
         chunk = self.hasher.chunk_tokens
-        done: list[tuple[Sequence, torch.Tensor, torch.Tensor]] = []  # (seq, logits, last hidden state)
         ran = False
         for seq in list(self.prefilling):
             logits = hidden = None
@@ -396,26 +396,25 @@ class Engine:
                     seq.kv_sink(start, end, self.runner.cache.export_seq(seq.seq_id, end, start))
             if seq.num_computed == n:
                 self.prefilling.remove(seq)
-                done.append((seq, logits, hidden))
+                self._first_token(seq, logits, hidden)
             if budget <= 0:
                 break
-        new = [(seq, logits, hidden) for seq, logits, hidden in done if not seq.output_ids]
-        sampled = self._sample([s for s, _, _ in new], torch.cat([lg for _, lg, _ in new])) if new else []
-        found = self._logprobs([s for s, _, _ in new], dict(enumerate(sampled)),
-                               torch.cat([h for _, _, h in new])) if new else {}
-        tokens = {id(s): tok for (s, _, _), tok in zip(new, sampled)}
-        logprobs = {id(new[i][0]): lp for i, lp in found.items()}
-        now = time.perf_counter()
-        for seq, _, _ in done:
-            seq.first_token_s = seq.first_token_s or now
-            tok = tokens.get(id(seq))
-            if self.config.prefill_only:
-                self._prefilled(seq, tok, logprobs.get(id(seq)))
-            else:
-                self.running.append(seq)
-                if tok is not None:
-                    self._emit(seq, tok, logprobs.get(id(seq)))
         return ran
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """A prompt is prefilled: sample its first token (none for a resumed sequence), hand it out, and
+        export the K/V (prefill_only) or join the decode batch."""
+        tok = logprob = None
+        if not seq.output_ids:
+            tok = self._sample([seq], logits)[0]
+            logprob = self._logprobs([seq], {0: tok}, hidden).get(0)
+        seq.first_token_s = seq.first_token_s or time.perf_counter()
+        if self.config.prefill_only:
+            self._prefilled(seq, tok, logprob)
+        else:
+            self.running.append(seq)
+            if tok is not None:
+                self._emit(seq, tok, logprob)
 
     def _register(self, seq: Sequence) -> None:
         """Name the blocks of the prompt's chunks computed so far, so later prompts can reuse them."""
