@@ -22,6 +22,7 @@ from common.state import RequestState
 from protos import handoff_pb2, handoff_pb2_grpc
 from router.cluster import Cluster
 from router.config import RouterConfig
+from router.server import RouterServer
 from tests.conftest import wait_idle
 
 NUM_STREAMS = 64
@@ -155,4 +156,32 @@ def test_a_queued_request_its_client_cancels_ends_at_once(cluster, client_loop):
     finally:
         free_the_kv(cluster, hog)
     assert all(futures[rid].result(timeout=120) == ref for rid in rids[4:])
+    wait_idle(cluster)
+
+
+def test_stop_lets_streams_finish_within_the_grace_then_cancels_them(cluster):
+    """RouterServer.stop(grace_s) drains the loop: a stream in flight finishes within the grace; one past
+    it is cancelled, and its record still ends, its KV and lease are still freed."""
+    for grace_s, max_tokens in ((60, 24), (0.3, 400)):
+        router = RouterServer(replace(cluster.router.config, port=0, http_port=-1), cluster.state).start()
+        rid = f"drain-{grace_s}-{time.monotonic_ns()}"
+        with grpc.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+            stub = handoff_pb2_grpc.RouterStub(ch)
+            stream = stub.Generate(handoff_pb2.GenerateRequest(
+                prompt=PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, request_id=rid), timeout=120)
+            msgs = [next(stream)]
+            stopper = threading.Thread(target=router.stop, kwargs={"grace_s": grace_s})
+            stopper.start()
+            if grace_s > 1:
+                msgs += list(stream)
+                assert msgs[-1].finish_reason == handoff_pb2.FINISH_REASON_LENGTH
+                assert msgs[-1].completion_tokens == max_tokens
+            else:
+                with pytest.raises(grpc.RpcError):
+                    msgs += list(stream)
+            stopper.join(timeout=30)
+            assert not stopper.is_alive(), "stop() did not return"
+        record = cluster.state.get_request(rid)
+        expected = RequestState.FINISHED if grace_s > 1 else RequestState.CANCELLED
+        assert record["state"] == expected, record
     wait_idle(cluster)
