@@ -185,3 +185,31 @@ def test_stop_lets_streams_finish_within_the_grace_then_cancels_them(cluster):
         expected = RequestState.FINISHED if grace_s > 1 else RequestState.CANCELLED
         assert record["state"] == expected, record
     wait_idle(cluster)
+
+
+def test_a_grpc_deadline_ends_a_stream_queued_or_decoding(cluster):
+    """Past its deadline a call is DEADLINE_EXCEEDED, mid-stream or still queued for KV, and its record ends
+    cancelled (the client stopped waiting), with its KV and lease freed."""
+    def late(rid: str, timeout_s: float) -> list:
+        msgs = []
+        with grpc.insecure_channel(cluster.address) as ch:
+            stream = handoff_pb2_grpc.RouterStub(ch).Generate(handoff_pb2.GenerateRequest(
+                prompt=PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True, request_id=rid), timeout=timeout_s)
+            with pytest.raises(grpc.RpcError) as err:
+                for msg in stream:
+                    msgs.append(msg)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5
+        while cluster.state.get_request(rid)["state"] != RequestState.CANCELLED.value:
+            assert time.monotonic() < deadline, cluster.state.get_request(rid)
+            time.sleep(0.05)
+        return msgs
+
+    assert late(f"late-decoding-{time.monotonic_ns()}", 2.0), "the deadline passed before the first token"
+    hog = hog_the_kv(cluster)
+    try:
+        assert not late(f"late-queued-{time.monotonic_ns()}", 1.0)
+        wait_waiting(0, timeout_s=5)
+    finally:
+        free_the_kv(cluster, hog)
+    wait_idle(cluster)
