@@ -81,6 +81,7 @@ async def http_stream(url: str, rid: str) -> str:
 
 def hog_the_kv(cluster) -> str:
     """Lease every free block of the decode worker to nobody: requests queue for room."""
+    wait_idle(cluster)  # a request that just ended may still hold its lease for a moment
     d = cluster.decode[0]
     hog = f"hog-{time.monotonic_ns()}"
     assert cluster.state.reserve(d.config.worker_id, d.epoch, hog, cluster.state.available_blocks(d.config.worker_id),
