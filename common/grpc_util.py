@@ -5,6 +5,7 @@ one interceptor here turns it into a gRPC status, for every RPC of the server.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
@@ -72,7 +73,7 @@ def blamed(exc: grpc.RpcError) -> tuple[str, str, str] | None:
     return tuple(urllib.parse.unquote(value, errors="surrogatepass") for value in (role, worker_id, epoch))
 
 
-def _abort_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ServiceError):
         return exc.code, exc.message
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
@@ -90,7 +91,7 @@ class _Undecodable:
         self.error = error
 
 
-def _lenient(deserializer):
+def lenient(deserializer):
     """gRPC answers a request that fails to parse with INTERNAL ("Exception deserializing
     request!") before any handler runs; parse it here instead, so the handler can refuse it."""
     if deserializer is None:
@@ -104,7 +105,7 @@ def _lenient(deserializer):
     return parse
 
 
-def _parsed(request):
+def parsed(request):
     if isinstance(request, _Undecodable):
         raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
     return request
@@ -112,7 +113,7 @@ def _parsed(request):
 
 def _parsed_stream(requests):
     for request in requests:
-        yield _parsed(request)
+        yield parsed(request)
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
@@ -125,27 +126,27 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
 
-        def guard_unary(behavior, parsed):
+        def guard_unary(behavior, parse):
             def wrapped(request, context):
                 try:
-                    return behavior(parsed(request), context)
+                    return behavior(parse(request), context)
                 except Exception as exc:
                     _abort(context, method, exc)
             return wrapped
 
-        def guard_stream(behavior, parsed):
+        def guard_stream(behavior, parse):
             def wrapped(request, context):
                 try:
-                    yield from behavior(parsed(request), context)
+                    yield from behavior(parse(request), context)
                 except Exception as exc:
                     _abort(context, method, exc)
             return wrapped
 
-        handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+        handler = handler._replace(request_deserializer=lenient(handler.request_deserializer))
         if handler.unary_unary:
-            return handler._replace(unary_unary=guard_unary(handler.unary_unary, _parsed))
+            return handler._replace(unary_unary=guard_unary(handler.unary_unary, parsed))
         if handler.unary_stream:
-            return handler._replace(unary_stream=guard_stream(handler.unary_stream, _parsed))
+            return handler._replace(unary_stream=guard_stream(handler.unary_stream, parsed))
         if handler.stream_unary:
             return handler._replace(stream_unary=guard_unary(handler.stream_unary, _parsed_stream))
         if handler.stream_stream:
@@ -153,14 +154,21 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return handler
 
 
-def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
-    code, message = _abort_for(exc)
-    if isinstance(exc, ServiceError) and exc.trailers:
-        context.set_trailing_metadata(exc.trailers)
+def reported(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status `exc` reaches the caller as, logged (with the traceback when it is a bug). Call it
+    in the except block that caught `exc`."""
+    code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     else:
         log.info("%s: %s: %s", method, code.name, message)
+    return code, message
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+    code, message = reported(method, exc)
+    if isinstance(exc, ServiceError) and exc.trailers:
+        context.set_trailing_metadata(exc.trailers)
     context.abort(code, message)
 
 
@@ -236,17 +244,19 @@ def serve_health(health_servicer: health.HealthServicer, host: str, port: int) -
 
 
 def channel(address: str, *, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
-            max_message_bytes: int = MAX_INTERNAL_MESSAGE_BYTES) -> grpc.Channel:
+            max_message_bytes: int = MAX_INTERNAL_MESSAGE_BYTES, aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
     """A channel, with TLS when credentials are given; server_name is the name the server's
-    certificate must carry when it differs from the address (workers register IPs)."""
+    certificate must carry when it differs from the address (workers register IPs). With `aio`, an
+    asyncio channel (grpc.aio), to be used on the event loop that creates it."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes),
                *KEEPALIVE_OPTIONS]
+    api = grpc.aio if aio else grpc
     if credentials is None:
-        return grpc.insecure_channel(address, options=options)
+        return api.insecure_channel(address, options=options)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.secure_channel(address, credentials, options=options)
+    return api.secure_channel(address, credentials, options=options)
 
 
 class ChannelCache:
@@ -268,8 +278,7 @@ class ChannelCache:
     @contextlib.contextmanager
     def use(self, address: str) -> Iterator[grpc.Channel]:
         with self._lock:
-            ch = self._channels.pop(address, None) or channel(
-                address, credentials=self._credentials, server_name=self._server_name)
+            ch = self._channels.pop(address, None) or self._open(address)
             self._channels[address] = ch
             self._users[address] += 1
         try:
@@ -281,10 +290,37 @@ class ChannelCache:
                     del self._users[address]
                 idle = [a for a in self._channels if a not in self._users]
                 for a in idle[:max(0, len(idle) - self.max_idle)]:
-                    self._channels.pop(a).close()
+                    self._discard(self._channels.pop(a))
 
     def close(self) -> None:
         with self._lock:
             for ch in self._channels.values():
-                ch.close()
+                self._discard(ch)
             self._channels.clear()
+
+    def _open(self, address: str) -> grpc.Channel:
+        return channel(address, credentials=self._credentials, server_name=self._server_name)
+
+    def _discard(self, ch: grpc.Channel) -> None:
+        ch.close()
+
+
+class AioChannelCache(ChannelCache):
+    """A ChannelCache of asyncio channels, used on the event loop that runs `use()`. An aio channel
+    closes asynchronously: `aclose()` closes them all and waits until they are."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._closing: set[asyncio.Task] = set()
+
+    async def aclose(self) -> None:
+        self.close()
+        await asyncio.gather(*self._closing)
+
+    def _open(self, address: str) -> grpc.aio.Channel:
+        return channel(address, credentials=self._credentials, server_name=self._server_name, aio=True)
+
+    def _discard(self, ch: grpc.aio.Channel) -> None:
+        task = asyncio.get_running_loop().create_task(ch.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)

@@ -202,20 +202,21 @@ def bearer_token(metadata) -> str | None:
     return None
 
 
-class APIKeyInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without a valid API key (UNAUTHENTICATED), except health and reflection."""
+class APIKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without a valid API key (UNAUTHENTICATED), except health and reflection; for the
+    router's asyncio server (grpc.aio), where handlers are coroutines."""
 
     def __init__(self, keys: APIKeys):
         self.keys = keys
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(OPEN_METHOD_PREFIXES):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         token = bearer_token(handler_call_details.invocation_metadata)
         if token and self.keys.check(token):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         if token is None:
@@ -225,9 +226,9 @@ class APIKeyInterceptor(grpc.ServerInterceptor):
         else:
             message = "the API key is not valid"
 
-        def deny(request_or_iterator, context):
+        async def deny(request_or_iterator, context):
             log.info("%s: UNAUTHENTICATED from %s: %s", method, context.peer(), message)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
                     if getattr(handler, k))

@@ -36,7 +36,10 @@ class RouterConfig:
     remote_prefill_min_tokens: int = 256
     routing: str = "cache_aware"  # prefill choice: cache_aware (longest cached prefix, load permitting) or least_loaded
     cache_balance: int = 4  # cache_aware: a worker may have this many more requests in flight than the least loaded
-    server_threads: int = 256  # concurrent Generate streams this router can hold
+    # Generate streams in flight, per port (gRPC, HTTP): beyond, RESOURCE_EXHAUSTED (429) at once. A stream
+    # costs memory, not a thread: requests are coroutines on the router's event loop.
+    max_streams: int = 4096
+    blocking_threads: int = 8  # the fixed pool that runs Redis calls and tokenization off the event loop
     drain_timeout_s: float = 25.0  # on SIGTERM, how long in-flight streams may take to finish
     health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
     # The OpenAI-compatible HTTP API (router/http_server.py): 0 = a free port, -1 = off. Off in the
@@ -57,8 +60,8 @@ class RouterConfig:
             raise ValueError(f"remote_prefill_min_tokens must be >= 1, got {self.remote_prefill_min_tokens}")
         if self.cache_balance < 0:
             raise ValueError(f"cache_balance must be >= 0, got {self.cache_balance}")
-        for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "server_threads",
-                     "max_body_bytes"):
+        for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "max_streams",
+                     "blocking_threads", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s", "drain_timeout_s"):

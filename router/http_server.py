@@ -7,24 +7,23 @@ A request is parsed (router/openai_api.py), validated by the router's RequestVal
 GenerateCall per choice, exactly as Generate serves a gRPC call: records in Redis, leases, failover,
 deadlines. The HTTP client going away cancels it like a cancelled gRPC call.
 
-Threads: uvicorn's event loop holds every connection. GenerateCall is a blocking generator over gRPC
-streams, so each generation runs on a bounded pool (one thread per generation in flight, none per idle
-connection) and hands its messages to the loop through an asyncio queue. A request that would take the
-pool past `server_threads` generations is refused at once (429), as the gRPC port refuses a call beyond
-its threads.
+Threads: none per request. uvicorn serves this app as a task on the router's event loop (router/server.py),
+next to the gRPC server, and each generation is a GenerateCall coroutine on that loop, as a gRPC call's
+is; its messages reach the response through an asyncio queue. A request that would take the port past
+`max_streams` generations in flight is refused at once (429), as the gRPC port refuses a call beyond
+its limit.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import socket
 import ssl
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -51,109 +50,56 @@ REQUEST_ID_HEADER = "x-request-id"  # a caller-chosen request id, as GenerateReq
 CLIENT_GONE = 499  # (nginx's) status for the metrics when the client left before its answer
 
 
-class CallContext:
-    """What GenerateCall asks of a gRPC ServicerContext, for a request that came over HTTP: active until
-    the client goes away (end()) or the deadline passes, when the callbacks cancel its downstream calls."""
-
-    def __init__(self, deadline: float | None):
-        self.deadline = deadline  # time.monotonic() when the request must be over; None: no deadline
-        self._ended = False
-        self._callbacks: list = []
-        self._lock = threading.Lock()
-
-    @property
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-    def is_active(self) -> bool:
-        return not self._ended and not self.expired
-
-    def add_callback(self, callback) -> bool:
-        with self._lock:
-            if not self._ended:
-                self._callbacks.append(callback)
-                return True
-        return False  # as gRPC's: the call already ended
-
-    def end(self) -> None:
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one callback failing must not keep the others from running
-                log.exception("cancel callback failed")
-
-
 class _Slots:
-    """Generations in flight on the pool, bounded by its size; taken by a request, given back by each
-    generation's thread as it ends."""
+    """Generations in flight on this port, bounded; taken by a request, given back as each generation ends."""
 
     def __init__(self, total: int):
         self.total = total
         self.used = 0
-        self._lock = threading.Lock()
 
     def take(self, n: int) -> bool:
-        with self._lock:
-            if self.used + n > self.total:
-                return False
-            self.used += n
-            return True
+        if self.used + n > self.total:
+            return False
+        self.used += n
+        return True
 
     def give(self, n: int = 1) -> None:
-        with self._lock:
-            self.used -= n
+        self.used -= n
 
 
 _END = object()  # a choice's call ended (after its last message, or without one when cancelled)
 
 
 class Generations:
-    """The GenerateCalls of one HTTP request (one per choice) on the pool. Their messages, failures and
-    ends arrive in order on one asyncio queue as (choice, GenerateResponse | Exception | _END)."""
+    """The GenerateCalls of one HTTP request (one per choice), each a task on the loop. Their messages,
+    failures and ends arrive in order on one asyncio queue as (choice, GenerateResponse | Exception | _END)."""
 
-    def __init__(self, router: Router, reqs: list[ValidRequest], timeout_s: float, deadline: float,
-                 pool: ThreadPoolExecutor, slots: _Slots):
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, router: Router, reqs: list[ValidRequest], timeout_s: float, deadline: float, slots: _Slots):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.timeout_s = timeout_s
-        self.contexts = [CallContext(deadline) for _ in reqs]
+        self.deadline = deadline  # time.monotonic() when the request must be over
+        self.num_choices = len(reqs)
         self.client_gone = False
         self.num_open = len(reqs)
-        self._router, self._slots = router, slots
-        for index, (req, ctx) in enumerate(zip(reqs, self.contexts)):
-            pool.submit(self._run, index, req, ctx)
+        self._slots = slots
+        self._tasks = []
+        for index, req in enumerate(reqs):
+            task = asyncio.create_task(GenerateCall(router, req, deadline).run(functools.partial(self._put, index)))
+            # A callback, not a finally: a task cancelled before it started runs none of its code.
+            task.add_done_callback(functools.partial(self._ended, index))
+            self._tasks.append(task)
 
-    def _run(self, index: int, req: ValidRequest, ctx: CallContext) -> None:
-        """Pool thread: iterate the call as gRPC would, stop when its client is gone."""
-        end: object = _END
-        try:
-            call = GenerateCall(self._router, req, ctx).run()
-            try:
-                for msg in call:
-                    self._put(index, msg)
-                    if not ctx.is_active():
-                        break  # close() below ends the call as cancelled, as gRPC closes a dead stream's
-            finally:
-                call.close()
-        except Exception as exc:  # noqa: BLE001 - every failure goes to the client as an error
-            end = exc
-        finally:
-            self._slots.give()
-        self._put(index, end)
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
 
-    def _put(self, index: int, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
-        except RuntimeError:  # the loop is closed (the server stopped): nobody is listening any more
-            pass
+    async def _put(self, index: int, msg: handoff_pb2.GenerateResponse) -> None:
+        self.queue.put_nowait((index, msg))
+
+    def _ended(self, index: int, task: asyncio.Task) -> None:
+        self._slots.give()
+        error = None if task.cancelled() else task.exception()
+        self.queue.put_nowait((index, _END if error is None else error))
 
     async def next(self) -> tuple[int, object]:
         index, item = await self.queue.get()
@@ -162,8 +108,8 @@ class Generations:
         return index, item
 
     def cancel(self) -> None:
-        for ctx in self.contexts:
-            ctx.end()
+        for task in self._tasks:
+            task.cancel()
 
     def lost_client(self) -> None:
         self.client_gone = True
@@ -171,7 +117,7 @@ class Generations:
 
 
 class OpenAIApp:
-    """The routes and what they share: the router, the API keys, the generation pool."""
+    """The routes and what they share: the router, the API keys, the generation slots."""
 
     def __init__(self, router: Router, keys: security.APIKeys, *, model_id: str, is_ready):
         cfg = router.config
@@ -180,8 +126,7 @@ class OpenAIApp:
         self.model_id = model_id
         self.is_ready = is_ready  # () -> bool: /health's answer
         self.max_body_bytes = cfg.max_body_bytes
-        self.pool = ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="http-generate")
-        self.slots = _Slots(cfg.server_threads)
+        self.slots = _Slots(cfg.max_streams)
         self.created = int(time.time())
         self.fingerprint = f"fp_{router.weights_id[:16]}"
         self.token_text = openai_api.TokenText(router.tokenizer)
@@ -192,9 +137,6 @@ class OpenAIApp:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._no_route, 405: self._no_route})
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- routes
 
@@ -265,7 +207,7 @@ class OpenAIApp:
 
     async def _start(self, parsed: ParsedRequest, request_id: str, timeout_s: float,
                      deadline: float) -> Generations:
-        """Validate (on the pool: chat templates and tokenization are CPU work) and start every choice."""
+        """Validate (on the blocking pool: chat templates and tokenization are CPU work) and start every choice."""
         n = parsed.n
         if n > 1 and len(request_id) + 1 + len(str(n - 1)) > 128:
             raise openai_api.bad_param(None, f"{REQUEST_ID_HEADER} is too long to name {n} choices")
@@ -277,13 +219,12 @@ class OpenAIApp:
             pb = handoff_pb2.GenerateRequest()
             pb.CopyFrom(parsed.request)
             pb.request_id = request_id
-            loop = asyncio.get_running_loop()
             try:
-                valid = await loop.run_in_executor(self.pool, self.router.validator.validate, pb)
+                valid = await self.router.validate(pb)
             except ValueError as exc:
                 raise APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             gens = Generations(self.router, _choices(valid, n, seeded=pb.HasField("seed")), timeout_s, deadline,
-                               self.pool, self.slots)
+                               self.slots)
             started = True
             return gens
         finally:
@@ -292,13 +233,13 @@ class OpenAIApp:
 
     async def _all_messages(self, gens: Generations) -> list[list[handoff_pb2.GenerateResponse]]:
         """Every choice's messages, once all have ended; the first failure (the caller cancels the others)."""
-        choices: list[list[handoff_pb2.GenerateResponse]] = [[] for _ in gens.contexts]
+        choices: list[list[handoff_pb2.GenerateResponse]] = [[] for _ in range(gens.num_choices)]
         while gens.num_open:
             index, item = await gens.next()
             if isinstance(item, handoff_pb2.GenerateResponse):
                 choices[index].append(item)
             elif item is not _END or not _finished(choices[index]):
-                # The others are cancelled and end on their own, giving their threads back.
+                # The caller cancels the others.
                 raise self._failure(gens, index, item)
         return choices
 
@@ -307,7 +248,7 @@ class OpenAIApp:
         first token) or one failed (then the answer is that failure's status, not a broken 200)."""
         seen: list[tuple[int, object]] = []
         started: set[int] = set()
-        while len(started) < len(gens.contexts):
+        while len(started) < gens.num_choices:
             index, item = await gens.next()
             if isinstance(item, handoff_pb2.GenerateResponse):
                 started.add(index)
@@ -319,7 +260,7 @@ class OpenAIApp:
     async def _events(self, gens: Generations, builder: ResponseBuilder, first: list[tuple[int, object]]):
         """The server-sent events of a stream: chunks, the usage chunk if asked, `data: [DONE]`. A failure
         after the first token can only be told in the stream: an error event (the openai client raises it)."""
-        finals: list[handoff_pb2.GenerateResponse | None] = [None] * len(gens.contexts)
+        finals: list[handoff_pb2.GenerateResponse | None] = [None] * gens.num_choices
 
         async def items():
             for item in first:
@@ -345,10 +286,9 @@ class OpenAIApp:
 
     def _failure(self, gens: Generations, index: int, item: object) -> APIError:
         """Why choice `index` ended without its answer, as an OpenAI error."""
-        ctx = gens.contexts[index]
         if gens.client_gone:
             return APIError(CLIENT_GONE, "the client closed the connection")
-        if ctx.expired:
+        if gens.expired:
             return APIError(504, f"the request ran past its deadline of {gens.timeout_s:g} s ({TIMEOUT_HEADER}, "
                                  f"capped by the router's max_request_s)")
         if isinstance(item, ServiceError):
@@ -467,16 +407,16 @@ class _EventStream(StreamingResponse):
 
 
 class HTTPServer:
-    """uvicorn serving OpenAIApp on its own thread and event loop, started and stopped with the gRPC server."""
+    """uvicorn serving OpenAIApp as a task on the router's event loop, started and stopped with the gRPC server."""
 
     def __init__(self, router: Router, keys: security.APIKeys, *, is_ready):
         self.config = cfg = router.config
         self.api = OpenAIApp(router, keys, model_id=cfg.model, is_ready=is_ready)
         self.port = 0
         self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
 
-    def start(self) -> "HTTPServer":
+    async def start(self) -> "HTTPServer":
         cfg = self.config
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -489,26 +429,29 @@ class HTTPServer:
         self.port = sock.getsockname()[1]
         tls = cfg.tls
         config = uvicorn.Config(
-            self.api.app, log_level="warning", access_log=False, http="h11", loop="asyncio", ws="none",
+            self.api.app, log_level="warning", access_log=False, http="h11", loop="none", ws="none",
             lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s,
             ssl_certfile=tls.cert, ssl_keyfile=tls.key,
             ssl_ca_certs=tls.ca if tls.require_client_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="router-http",
-                                        daemon=True)
-        self._thread.start()
+        # Off the main thread uvicorn installs no signal handlers: the router's owner handles signals.
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="router-http")
         deadline = time.monotonic() + 30
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if self._task.done() or time.monotonic() > deadline:
                 raise RuntimeError(f"the HTTP server on port {self.port} did not start (see the log)")
-            time.sleep(0.01)
+            await asyncio.sleep(0.01)
         return self
 
-    def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float) -> None:
         """Stop taking connections; streams in flight may finish within grace_s, then they are cancelled."""
-        if self._server is not None:
-            self._server.config.timeout_graceful_shutdown = grace_s
-            self._server.should_exit = True
-            self._thread.join(timeout=grace_s + 5)
-        self.api.close()
+        if self._task is None:
+            return
+        self._server.config.timeout_graceful_shutdown = grace_s
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace_s + 5)
+        except asyncio.TimeoutError:
+            self._task.cancel()
+            log.warning("the HTTP server did not stop within %.0f s of its grace period", grace_s + 5)

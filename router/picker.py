@@ -1,6 +1,11 @@
-"""Choosing workers from the Redis registry and reserving decode capacity, with a bounded wait."""
+"""Choosing workers from the Redis registry and reserving decode capacity, with a bounded wait.
+
+Coroutines on the router's event loop: each look at Redis runs on the blocking pool, and a request
+waiting for room sleeps on the loop between looks, holding no thread.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import threading
@@ -14,6 +19,7 @@ from common import metrics
 from common.engine.prefix import PrefixHasher
 from common.grpc_util import ServiceError
 from common.state import StateStore, WorkerInfo
+from router.blocking import BlockingPool
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +36,10 @@ class Lease:
 
 
 class WorkerPicker:
-    def __init__(self, state: StateStore, model_id: str, *, lease_ttl_s: float, queue_timeout_s: float,
-                 max_queued: int, routing: str = "cache_aware", cache_balance: int = 4):
+    def __init__(self, state: StateStore, blocking: BlockingPool, model_id: str, *, lease_ttl_s: float,
+                 queue_timeout_s: float, max_queued: int, routing: str = "cache_aware", cache_balance: int = 4):
         self.state = state
+        self.blocking = blocking
         self.model_id = model_id
         self.lease_ttl_s = lease_ttl_s
         self.queue_timeout_s = queue_timeout_s
@@ -57,35 +64,31 @@ class WorkerPicker:
             workers.append(w)
         return workers
 
-    def reserve_decode(self, request_id: str, num_tokens: int, deadline: float,
-                       exclude: Excluded = frozenset()) -> Lease:
+    async def reserve_decode(self, request_id: str, num_tokens: int, deadline: float,
+                             exclude: Excluded = frozenset()) -> Lease:
         """Lease KV blocks for num_tokens on the decode worker with the most room; waits (bounded) for room."""
         if not self._queue_slots.acquire(blocking=False):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                "too many requests are already waiting for decode capacity; retry later")
         try:
-            return self._reserve(request_id, num_tokens, min(deadline, time.monotonic() + self.queue_timeout_s),
-                                 exclude)
+            return await self._reserve(request_id, num_tokens,
+                                       min(deadline, time.monotonic() + self.queue_timeout_s), exclude)
         finally:
             self._queue_slots.release()
 
-    def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: Excluded) -> Lease:
+    async def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: Excluded) -> Lease:
         delay = 0.005
         largest = 0
+
+        def undo(found: tuple[Lease | None, list[WorkerInfo]]) -> None:
+            # Reserved for a request cancelled meanwhile: nobody will hold or release this lease.
+            if found[0] is not None:
+                self.state.release(found[0].worker.worker_id, request_id)
+
         while True:
-            workers = self._live("decode", exclude)
-            # Most free blocks first; shuffle first so equal ones share the load.
-            random.shuffle(workers)
-            workers.sort(key=lambda w: w.available_blocks or 0, reverse=True)
-            for w in workers:
-                blocks = -(-num_tokens // w.block_size)
-                if blocks > w.total_blocks:
-                    continue
-                if (w.available_blocks or 0) < blocks:
-                    continue
-                result = self.state.reserve(w.worker_id, w.epoch, request_id, blocks, self.lease_ttl_s)
-                if result.ok:
-                    return Lease(w, blocks)
+            lease, workers = await self.blocking.run(self._try_reserve, request_id, num_tokens, exclude, undo=undo)
+            if lease is not None:
+                return lease
             if workers and all(-(-num_tokens // w.block_size) > w.total_blocks for w in workers):
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"the request needs KV for {num_tokens} tokens (prompt + max_tokens), more "
@@ -93,7 +96,7 @@ class WorkerPicker:
             largest = max([w.available_blocks or 0 for w in workers] + [0])
             if time.monotonic() >= until:
                 break
-            time.sleep(delay)
+            await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
         if not workers:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("decode", exclude))
@@ -101,6 +104,25 @@ class WorkerPicker:
                            f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
                            f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
                            f"retry later or lower max_tokens")
+
+    def _try_reserve(self, request_id: str, num_tokens: int,
+                     exclude: Excluded) -> tuple[Lease | None, list[WorkerInfo]]:
+        """One look at the registry (blocking): a lease on the decode worker with the most free blocks that
+        takes it, or None; and the live decode workers."""
+        workers = self._live("decode", exclude)
+        # Most free blocks first; shuffle first so equal ones share the load.
+        random.shuffle(workers)
+        workers.sort(key=lambda w: w.available_blocks or 0, reverse=True)
+        for w in workers:
+            blocks = -(-num_tokens // w.block_size)
+            if blocks > w.total_blocks:
+                continue
+            if (w.available_blocks or 0) < blocks:
+                continue
+            result = self.state.reserve(w.worker_id, w.epoch, request_id, blocks, self.lease_ttl_s)
+            if result.ok:
+                return Lease(w, blocks), workers
+        return None, workers
 
     @staticmethod
     def _none_left(role: str, exclude: Excluded) -> str:
@@ -111,12 +133,12 @@ class WorkerPicker:
         return (f"no {role} worker is registered (none started, all down, or Redis was reset and they "
                 f"have not re-registered yet); retry shortly")
 
-    def has_prefill(self, exclude: Excluded = frozenset()) -> bool:
+    async def has_prefill(self, exclude: Excluded = frozenset()) -> bool:
         """Whether a prefill worker this request may use is registered now (no waiting)."""
-        return bool(self._live("prefill", exclude))
+        return bool(await self.blocking.run(self._live, "prefill", exclude))
 
-    def pick_prefill(self, deadline: float, exclude: Excluded = frozenset(),
-                     prompt_ids: list[int] | None = None) -> tuple[WorkerInfo, int]:
+    async def pick_prefill(self, deadline: float, exclude: Excluded = frozenset(),
+                           prompt_ids: list[int] | None = None) -> tuple[WorkerInfo, int]:
         """A prefill worker and the prompt tokens its prefix cache holds. When none is left (the only one
         died), waits for one to (re)start, up to queue_timeout_s or the deadline.
 
@@ -126,14 +148,12 @@ class WorkerPicker:
         """
         until = min(deadline, time.monotonic() + self.queue_timeout_s)
         while True:
-            workers = self._live("prefill", exclude)
+            workers, cached = await self.blocking.run(self._prefill_candidates, exclude, prompt_ids)
             if workers or time.monotonic() >= until:
                 break
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
         if not workers:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("prefill", exclude))
-        random.shuffle(workers)
-        cached = self._cached_tokens(workers, prompt_ids) if self.routing == "cache_aware" and prompt_ids else {}
         with self._lock:
             load = {w.worker_id: (self._prefill_load[w.worker_id], w.num_waiting) for w in workers}
             least = min(load.values())
@@ -143,6 +163,15 @@ class WorkerPicker:
         hit = cached.get(best.worker_id, 0)
         metrics.ROUTED.labels("cache" if hit else "load").inc()
         return best, hit
+
+    def _prefill_candidates(self, exclude: Excluded,
+                            prompt_ids: list[int] | None) -> tuple[list[WorkerInfo], dict[str, int]]:
+        """The live prefill workers (shuffled: equal ones share the load) and the prompt tokens each one's
+        prefix cache holds (blocking: Redis, and hashing the prompt)."""
+        workers = self._live("prefill", exclude)
+        random.shuffle(workers)
+        cached = self._cached_tokens(workers, prompt_ids) if self.routing == "cache_aware" and prompt_ids else {}
+        return workers, cached
 
     def _cached_tokens(self, workers: list[WorkerInfo], prompt_ids: list[int]) -> dict[str, int]:
         """Prompt tokens each worker's published prefix cache holds (whole chunks)."""

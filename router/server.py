@@ -1,12 +1,22 @@
-"""The router's gRPC server: the public Generate API with health and reflection."""
+"""The router's servers: the public Generate API (gRPC, with health and reflection) and the OpenAI-compatible
+HTTP API, on one asyncio event loop.
+
+Threads: the loop runs on one thread of its own ("router-loop") and holds every stream of both ports:
+gRPC is served by grpc.aio, HTTP by uvicorn as a task on the same loop, and every request is a
+coroutine there (router/service.py), as is each decode session's reader (router/sessions.py), so a
+stream in flight, waiting for tokens or queued for KV, costs no thread. Besides the loop the router
+has a few threads whatever its load: the blocking pool (`blocking_threads`) for Redis calls and
+tokenization, the lease keeper and the heartbeat. `start()` and `stop()` may be called from any
+thread; they wait for the loop.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-import time
 import uuid
 
-from common import grpc_util, security
+from common import grpc_aio, grpc_util, security
 from common.engine.models import resolve_model_path
 from common.state import StateStore, StateUnavailable
 from common.engine.tokenizer import load_tokenizer
@@ -28,8 +38,9 @@ class RouterServer:
         self.port = 0
         self.http_port = 0  # the OpenAI-compatible HTTP API's, when on
         self.http: HTTPServer | None = None
+        self.server = None
         self.health_server = None
-        self._ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._serving = threading.Event()  # /health on the HTTP port: ready and not stopping
         self._stop = threading.Event()
         # New at every start: a restarted router is a new one, and the old one's requests get reaped.
@@ -37,27 +48,19 @@ class RouterServer:
 
     def start(self) -> "RouterServer":
         cfg = self.config
-        credentials = security.server_credentials(cfg.tls, require_client_cert=cfg.tls.require_client_cert)
-        keys = security.APIKeys(cfg.api_keys)
-        if keys.enabled and credentials is None:
-            log.warning("API keys are on but TLS is off: keys cross the network in plaintext")
         path = resolve_model_path(self.config.model)
         # The router needs the tokenizer and the model's shape, never the weights themselves.
         self.router = Router(self.config, self.state, load_tokenizer(path), read_model_config(path),
                              weights_id_of(path), router_id=self.router_id)
-        self.server = grpc_util.make_server(
-            cfg.server_threads, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES,
-            interceptors=(security.APIKeyInterceptor(keys),) if keys.enabled else ())
-        self.health = grpc_util.add_health_and_reflection(self.server, SERVICE_NAMES)
-        handoff_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.router), self.server)
-        self.port = grpc_util.bind(self.server, cfg.host, cfg.port, credentials, flag="--port")
-        self.server.start()
-        if cfg.http_port >= 0:
-            self.http = HTTPServer(self.router, keys, is_ready=self._serving.is_set).start()
-            self.http_port = self.http.port
-        if cfg.health_port:
-            self.health_server = grpc_util.serve_health(self.health, cfg.host, cfg.health_port)
-        threading.Thread(target=self._become_ready, name="router-ready", daemon=True).start()
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
+        self._loop_thread.start()
+        try:
+            credentials, keys = self._on_loop(self._start())
+        except BaseException:
+            self._on_loop(self._abandon())
+            self._end_loop()
+            raise
         self._heartbeat = threading.Thread(target=self._beat, name="router-heartbeat", daemon=True)
         self._heartbeat.start()
         tls = ("plaintext" if credentials is None else
@@ -67,17 +70,42 @@ class RouterServer:
                  f", OpenAI-compatible HTTP on :{self.http_port}" if self.http else "")
         return self
 
-    def _become_ready(self) -> None:
+    def _on_loop(self, coro):
+        """Run a coroutine on the router's loop from another thread; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _start(self):
+        cfg = self.config
+        credentials = security.server_credentials(cfg.tls, require_client_cert=cfg.tls.require_client_cert)
+        keys = security.APIKeys(cfg.api_keys)
+        if keys.enabled and credentials is None:
+            log.warning("API keys are on but TLS is off: keys cross the network in plaintext")
+        self.server = grpc_aio.make_server(
+            cfg.max_streams, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES,
+            interceptors=(security.APIKeyInterceptor(keys),) if keys.enabled else ())
+        self.health = await grpc_aio.add_health_and_reflection(self.server, SERVICE_NAMES)
+        handoff_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.router), self.server)
+        self.port = grpc_util.bind(self.server, cfg.host, cfg.port, credentials, flag="--port")
+        await self.server.start()
+        if cfg.http_port >= 0:
+            self.http = await HTTPServer(self.router, keys, is_ready=self._serving.is_set).start()
+            self.http_port = self.http.port
+        if cfg.health_port:
+            self.health_server = await grpc_aio.serve_health(self.health, cfg.host, cfg.health_port)
+        self._ready = asyncio.create_task(self._become_ready())
+        return credentials, keys
+
+    async def _become_ready(self) -> None:
         # SERVING once Redis answers; workers may come later (requests then queue briefly).
-        while not self._ready.is_set():
+        while True:
             try:
-                self.state.ping()
-                grpc_util.set_serving(self.health, SERVICE_NAMES, True)
-                self._serving.set()
-                self._ready.set()
+                await self.router.blocking.run(self.state.ping)
+                break
             except StateUnavailable as exc:
                 log.warning("waiting for Redis: %s", exc)
-                time.sleep(0.5)
+                await asyncio.sleep(0.5)
+        await grpc_aio.set_serving(self.health, SERVICE_NAMES, True)
+        self._serving.set()
 
     def _beat(self) -> None:
         """Keeps this router registered (its requests' records are ended by others if it dies) and
@@ -93,19 +121,48 @@ class RouterServer:
                             exc_info=not isinstance(exc, StateUnavailable))
 
     def stop(self, grace_s: float = 25.0) -> None:
-        self._ready.set()
-        self._serving.clear()
-        grpc_util.set_serving(self.health, SERVICE_NAMES, False)
-        stopped = self.server.stop(grace=grace_s)  # both ports drain at once
-        if self.http is not None:
-            self.http.stop(grace_s)
-        stopped.wait()
+        """Stop taking requests; those in flight may finish within grace_s, then they are cancelled."""
+        self._on_loop(self._drain(grace_s))
         self._stop.set()
         self._heartbeat.join(timeout=5)
         try:
             self.state.deregister_router(self.router_id)
         except StateUnavailable as exc:
             log.warning("could not deregister (the entry expires by itself): %s", exc)
+        self._on_loop(self._close_loop())
+        self._end_loop()
+        # grpc.aio keeps a poller thread until its last server and channel are freed; with it running a
+        # fork (subprocess with a preexec_fn, as EmbeddedRedis starts) can crash the child.
+        self.server = self.health_server = None
+
+    async def _drain(self, grace_s: float) -> None:
+        self._ready.cancel()
+        self._serving.clear()
+        await grpc_aio.set_serving(self.health, SERVICE_NAMES, False)
+        # Both ports drain at once.
+        await asyncio.gather(self.server.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
         if self.health_server is not None:
-            self.health_server.stop(grace=None)
-        self.router.close()
+            await self.health_server.stop(None)
+        await self.router.close()
+
+    async def _abandon(self) -> None:
+        """After a failed start: close what did start."""
+        if self.server is not None:
+            await self.server.stop(None)
+        if self.http is not None:
+            await self.http.stop(0)
+        await self.router.close()
+        await self._close_loop()
+
+    async def _close_loop(self) -> None:
+        """Whatever is still scheduled on the loop (nothing, after a clean stop) is cancelled."""
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.loop.shutdown_asyncgens()
+
+    def _end_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join(timeout=5)
+        self.loop.close()

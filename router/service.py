@@ -1,9 +1,17 @@
-"""The router's Generate: reserve decode KV, prefill, relay tokens; fail over while the retry budget lasts."""
+"""The router's Generate: reserve decode KV, prefill, relay tokens; fail over while the retry budget lasts.
+
+A request is a coroutine on the router's event loop (router/server.py), not a thread: it awaits the
+prefill worker's stream (grpc.aio), the decode session's events (router/sessions.py) and, on the
+fixed blocking pool, Redis. The client going away cancels its task; the cancellation reaches
+whatever it awaits, and its cleanup still records the end, frees the KV and releases the lease.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
+import math
 import time
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -14,6 +22,7 @@ from common.state import RequestState, StateStore, StateUnavailable, WorkerInfo
 from common.engine.tokenizer import Tokenizer
 from common.wire import FINISH_TO_PB, sampling_to_pb
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grpc
+from router.blocking import BlockingPool, to_the_end
 from router.config import RouterConfig
 from router.leases import LeaseKeeper
 from router.picker import Excluded, Lease, WorkerPicker
@@ -29,6 +38,8 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Status
 _TERMINAL = {FinishReason.STOP: RequestState.FINISHED, FinishReason.LENGTH: RequestState.FINISHED,
              FinishReason.CANCELLED: RequestState.CANCELLED, FinishReason.ERROR: RequestState.FAILED}
 
+Send = Callable[[handoff_pb2.GenerateResponse], Awaitable[None]]
+
 
 class _AttemptFailed(Exception):
     """One attempt failed; `role` is what it is charged to: a "prefill" or "decode" worker (excluded
@@ -43,7 +54,8 @@ class _AttemptFailed(Exception):
 
 
 class Router:
-    """What all Generate calls share: validation, worker choice, channels, Redis, the lease keeper."""
+    """What all Generate calls share: validation, worker choice, channels, Redis, the lease keeper.
+    Built and used on the router's event loop."""
 
     def __init__(self, config: RouterConfig, state: StateStore, tokenizer: Tokenizer, model_config, weights_id: str,
                  router_id: str = ""):
@@ -55,40 +67,60 @@ class Router:
         self.weights_id = weights_id
         self.validator = RequestValidator(tokenizer, model_config, default_max_tokens=config.default_max_tokens,
                                           max_messages=config.max_messages)
-        self.picker = WorkerPicker(state, weights_id, lease_ttl_s=config.lease_ttl_s,
+        # Redis calls and tokenization: on a few threads, whatever the number of requests in flight.
+        self.blocking = BlockingPool(config.blocking_threads)
+        self.picker = WorkerPicker(state, self.blocking, weights_id, lease_ttl_s=config.lease_ttl_s,
                                    queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued,
                                    routing=config.routing, cache_balance=config.cache_balance)
         self.leases = LeaseKeeper(state, config.lease_ttl_s)
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
-        self.channels = grpc_util.ChannelCache(credentials=security.channel_credentials(config.tls),
-                                               server_name=config.tls.server_name)
+        self.channels = grpc_util.AioChannelCache(credentials=security.channel_credentials(config.tls),
+                                                  server_name=config.tls.server_name)
         # Decode streams: one DecodeSession per decode worker carries all of this router's requests there.
         self.sessions = DecodeSessions(credentials=security.channel_credentials(config.tls),
                                        server_name=config.tls.server_name)
+        self.calls: set[GenerateCall] = set()  # in flight (recorded in Redis, not yet ended)
 
-    def close(self) -> None:
-        self.leases.close()
-        self.sessions.close()
-        self.channels.close()
+    async def validate(self, request: handoff_pb2.GenerateRequest) -> ValidRequest:
+        """The validator's answer (chat templates and tokenization are CPU work: off the loop)."""
+        return await self.blocking.run(self.validator.validate, request)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """After the servers stopped: let the requests they cancelled record their end (up to timeout_s),
+        then close the sessions, channels and the lease keeper."""
+        ending = [asyncio.ensure_future(call.ended.wait()) for call in self.calls]
+        if ending:
+            _, late = await asyncio.wait(ending, timeout=timeout_s)
+            if late:
+                log.warning("%d requests did not end within %.0f s of the stop", len(late), timeout_s)
+            for fut in late:
+                fut.cancel()
+        await self.blocking.run(self.leases.close)
+        await self.sessions.close()
+        await self.channels.aclose()
+        self.blocking.close()
 
 
 class RouterServicer(handoff_pb2_grpc.RouterServicer):
     def __init__(self, router: Router):
         self.router = router
 
-    def Generate(self, request: handoff_pb2.GenerateRequest, context):
-        req = self.router.validator.validate(request)
-        yield from GenerateCall(self.router, req, context).run()
+    async def Generate(self, request: handoff_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        req = await self.router.validate(request)
+        remaining = context.time_remaining()
+        client_deadline = None if remaining is None else time.monotonic() + remaining
+        await GenerateCall(self.router, req, client_deadline).run(context.write)
 
 
 class GenerateCall:
     """One request's life: its attempts, the tokens relayed so far, its terminal state."""
 
-    def __init__(self, router: Router, req: ValidRequest, context: grpc.ServicerContext):
+    def __init__(self, router: Router, req: ValidRequest, client_deadline: float | None):
         self.r = router
         self.req = req
         self.rid = req.request_id
-        self.context = context
+        # time.monotonic() when the client stops waiting (its gRPC deadline, the HTTP timeout); None: never.
+        self.client_deadline = client_deadline
         self.out = OutputProcessor(router.tokenizer, req.params, len(req.prompt_ids),
                                    router.model_config.max_position)
         self.generated: list[int] = []
@@ -96,28 +128,40 @@ class GenerateCall:
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.lease: Lease | None = None
-        self._lease_lost: str | None = None  # set by the lease keeper's thread
+        self.ended = asyncio.Event()  # set once the terminal state is recorded and the lease released
+        self._send: Send | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lease_lost: str | None = None
         self._calls: list = []
-        self._calls_lock = threading.Lock()
 
     # ---- bookkeeping that must not break a stream when Redis hiccups
 
-    def _record(self, state: RequestState, **fields) -> None:
+    def _record_now(self, state: RequestState, **fields) -> None:
         try:
             self.r.state.transition(self.rid, state, **fields)
         except StateUnavailable as exc:
             log.warning("%s: could not record %s: %s", self.rid, state, exc)
 
-    def _release(self) -> None:
+    async def _record(self, state: RequestState, **fields) -> None:
+        await self.r.blocking.run(self._record_now, state, **fields)
+
+    async def _release(self) -> None:
         if self.lease is None:
             return
+        lease, self.lease = self.lease, None
         self.r.leases.drop(self.rid)
         try:
-            self.r.state.release(self.lease.worker.worker_id, self.rid)
+            await self.r.blocking.run(self.r.state.release, lease.worker.worker_id, self.rid)
         except StateUnavailable as exc:
             log.warning("%s: could not release lease (it expires in %.0f s): %s", self.rid,
                         self.r.config.lease_ttl_s, exc)
-        self.lease = None
+
+    def _lease_lost_on_keeper(self, reason: str) -> None:
+        """The lease keeper's thread: the rest happens on the loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._on_lease_lost, reason)
+        except RuntimeError:  # the loop is closed: the router stopped, nothing is left to cancel
+            pass
 
     def _on_lease_lost(self, reason: str) -> None:
         # The blocks may be someone else's now: stop this attempt; the retry reserves again.
@@ -125,64 +169,82 @@ class GenerateCall:
         self._cancel_calls()
 
     def _cancel_calls(self) -> None:
-        with self._calls_lock:
-            calls, self._calls = self._calls, []
+        calls, self._calls = self._calls, []
         for call in calls:
             call.cancel()
 
     def _track(self, call):
-        with self._calls_lock:
-            self._calls.append(call)
+        self._calls.append(call)
         return call
+
+    def _client_gone(self) -> bool:
+        return self.client_deadline is not None and time.monotonic() >= self.client_deadline
 
     # ---- the request
 
-    def run(self):
+    async def run(self, send: Send) -> None:
+        """Serve the request, handing each message to `send` (gRPC's context.write, the HTTP front's queue)."""
         cfg = self.r.config
-        remaining = self.context.time_remaining()
-        deadline = time.monotonic() + min(remaining if remaining is not None else cfg.max_request_s, cfg.max_request_s)
+        self._send = send
+        self._loop = asyncio.get_running_loop()
+        deadline = min(self.client_deadline if self.client_deadline is not None else math.inf,
+                       time.monotonic() + cfg.max_request_s)
+
+        def never_served(created: bool) -> None:
+            # Cancelled while the record was being made: end it, as nothing else will.
+            if created:
+                self._record_now(RequestState.CANCELLED, completion_tokens=0,
+                                 finish_reason=FinishReason.CANCELLED.value)
         try:
-            created = self.r.state.create_request(
-                self.rid, prompt_tokens=len(self.req.prompt_ids), max_tokens=self.req.params.max_tokens,
-                router_id=self.r.router_id, seed=str(self.req.seed))
+            created = await self.r.blocking.run(
+                self.r.state.create_request, self.rid, prompt_tokens=len(self.req.prompt_ids),
+                max_tokens=self.req.params.max_tokens, router_id=self.r.router_id, seed=str(self.req.seed),
+                undo=never_served)
         except StateUnavailable as exc:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"cluster state (Redis) is unreachable: {exc}") from exc
         if not created:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {self.rid!r} is already in use; choose another or leave it empty")
-        self.context.add_callback(self._cancel_calls)
+        self.r.calls.add(self)
         metrics.ROUTER_RUNNING.inc()
         reason, error = FinishReason.ERROR, None
         try:
-            reason = yield from self._serve(deadline)
+            reason = await self._serve(deadline)
         except ServiceError as exc:
             error = exc.message
             raise
-        except GeneratorExit:
+        except asyncio.CancelledError:  # the client went away (or the server is stopping)
             reason = FinishReason.CANCELLED
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            if reason == FinishReason.ERROR and not self.context.is_active():
+            if reason == FinishReason.ERROR and self._client_gone():
                 reason, error = FinishReason.CANCELLED, None
+            await to_the_end(self._end(reason, error))
+
+    async def _end(self, reason: FinishReason, error: str | None) -> None:
+        try:
             self._cancel_calls()
             fields = {"completion_tokens": len(self.generated), "finish_reason": reason.value}
             if error:
                 fields["error"] = error[:2000]
-            self._record(_TERMINAL[reason], **fields)
-            self._release()  # after the record: a request in flight always holds its lease
+            await self._record(_TERMINAL[reason], **fields)
+            await self._release()  # after the record: a request in flight always holds its lease
+        finally:
             metrics.ROUTER_RUNNING.dec()
             metrics.REQUESTS.labels(reason.value).inc()
             metrics.E2E.observe(time.perf_counter() - self.t_arrival)
+            self.r.calls.discard(self)
+            self.ended.set()
 
-    def _serve(self, deadline: float):
+    async def _serve(self, deadline: float) -> FinishReason:
         failures: list[str] = []
         exclude: Excluded = set()
         for attempt in range(1, self.r.config.max_attempts + 1):
             try:
-                return (yield from self._attempt(attempt, deadline, exclude))
+                return await self._attempt(attempt, deadline, exclude)
             except _AttemptFailed as exc:
                 # Whatever the failed attempt still has open downstream must stop now.
                 self._cancel_calls()
@@ -194,45 +256,46 @@ class GenerateCall:
                             "retrying" if attempt < self.r.config.max_attempts else "giving up")
                 # The decode reservation is kept for the retry unless decode (or the lease) failed.
                 if exc.role in ("decode", "lease"):
-                    self._release()
+                    await self._release()
             except StateUnavailable as exc:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                    f"cluster state (Redis) is unreachable while choosing workers for {self.rid} "
                                    f"({len(self.generated)} tokens streamed): {exc}; retry shortly") from exc
-            if not self.context.is_active():
+            if self._client_gone():
                 return FinishReason.CANCELLED
         raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                            f"request {self.rid} failed on {len(failures)} attempts (the retry budget) after "
                            f"{len(self.generated)} tokens: " + "; ".join(failures))
 
-    def _attempt(self, attempt: int, deadline: float, exclude: Excluded):
+    async def _attempt(self, attempt: int, deadline: float, exclude: Excluded) -> FinishReason:
         r, req = self.r, self.req
         self._lease_lost = None
         if self.lease is None:
             t_queue = time.perf_counter()
             metrics.ROUTER_WAITING.inc()
             try:
-                lease = r.picker.reserve_decode(self.rid, len(req.prompt_ids) + req.params.max_tokens, deadline, exclude)
+                lease = await r.picker.reserve_decode(self.rid, len(req.prompt_ids) + req.params.max_tokens,
+                                                      deadline, exclude)
             finally:
                 metrics.ROUTER_WAITING.dec()
             metrics.QUEUE.observe(time.perf_counter() - t_queue)
             self.lease = lease
             # Renewed from now until released, whatever this request waits for.
             r.leases.hold(self.rid, lease.worker.worker_id, lease.worker.epoch, lease.num_blocks,
-                          self._on_lease_lost)
+                          self._lease_lost_on_keeper)
         dw = self.lease.worker
-        if self._prefill_here(exclude):
+        if await self._prefill_here(exclude):
             metrics.PLACEMENT.labels("local").inc()
-            return (yield from self._relay_local(attempt, dw, deadline))
-        pw, _ = r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
+            return await self._relay_local(attempt, dw, deadline)
+        pw, _ = await r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
         metrics.PLACEMENT.labels("remote").inc()
         try:
             with r.channels.use(pw.address) as prefill_ch:
-                return (yield from self._relay(attempt, pw, dw, prefill_ch, deadline))
+                return await self._relay(attempt, pw, dw, prefill_ch, deadline)
         finally:
             r.picker.done_prefill(pw.worker_id)
 
-    def _prefill_here(self, exclude: Excluded) -> bool:
+    async def _prefill_here(self, exclude: Excluded) -> bool:
         """Prefill on the decode worker? Colocated: always. Conditional: when the prompt is too short for
         the KV transfer to pay, or no prefill worker is left to take it (the decode worker can)."""
         mode = self.r.config.prefill_mode
@@ -240,15 +303,15 @@ class GenerateCall:
             return mode == "colocated"
         if len(self.req.prompt_ids) < self.r.config.remote_prefill_min_tokens:
             return True
-        return not self.r.picker.has_prefill(exclude)
+        return not await self.r.picker.has_prefill(exclude)
 
-    def _relay_local(self, attempt: int, dw, deadline: float):
+    async def _relay_local(self, attempt: int, dw, deadline: float) -> FinishReason:
         """One colocated attempt: the decode worker prefills the prompt (replaying what a resumed request
         already has, as after a push) and streams every token, the first included."""
-        self._record(RequestState.PREFILLING, prefill_worker=dw.worker_id, decode_worker=dw.worker_id,
-                     attempt=attempt, prefill_placement="local")
+        await self._record(RequestState.PREFILLING, prefill_worker=dw.worker_id, decode_worker=dw.worker_id,
+                           attempt=attempt, prefill_placement="local")
         decode_call = self._start_decode(dw, attempt, deadline, prefill_here=True)
-        return (yield from self._relay_decode(decode_call, dw, deadline, prefilled_here=True))
+        return await self._relay_decode(decode_call, dw, deadline, prefilled_here=True)
 
     def _start_decode(self, dw, attempt: int, deadline: float, prefill_here: bool = False):
         """The attempt's decode stream, on this router's session with dw. Stop strings stay here: the
@@ -262,7 +325,7 @@ class GenerateCall:
             attempt=attempt, sampling=sampling, kv_wait_s=0 if prefill_here else r.config.kv_wait_s,
             prefill_here=prefill_here), deadline))
 
-    def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.Channel, deadline: float):
+    async def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.aio.Channel, deadline: float) -> FinishReason:
         """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client.
 
         A resumed attempt (tokens already streamed) prefills the prompt alone; the decode worker
@@ -270,8 +333,8 @@ class GenerateCall:
         r, req = self.r, self.req
         sampling = sampling_to_pb(req.params, req.seed)
         resumed = list(self.generated)
-        self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id,
-                     attempt=attempt, prefill_placement="remote")
+        await self._record(RequestState.PREFILLING, prefill_worker=pw.worker_id, decode_worker=dw.worker_id,
+                           attempt=attempt, prefill_placement="remote")
         prefill_call = self._track(internal_pb2_grpc.PrefillWorkerStub(prefill_ch).Prefill(
             internal_pb2.PrefillRequest(
                 request_id=self.rid, prompt_ids=req.prompt_ids, sampling=sampling, output_ids=resumed,
@@ -281,7 +344,7 @@ class GenerateCall:
         prefill_fields = {}
         try:
             if not resumed:
-                first = self._next(prefill_call, pw, deadline)
+                first = await self._next(prefill_call, pw, deadline)
                 if first is None or not first.HasField("first_token"):
                     raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
                 prefill_fields["cached_tokens"] = first.first_token.cached_tokens
@@ -289,38 +352,38 @@ class GenerateCall:
                 msg = self._push([first.first_token.token_id],
                                  [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
                 if msg is not None:
-                    yield msg
+                    await self._send(msg)
                 if self.out.finish_reason is not None:
                     return self.out.finish_reason
-            self._record(RequestState.TRANSFERRING, **prefill_fields)
+            await self._record(RequestState.TRANSFERRING, **prefill_fields)
         except BaseException:
             # Ended (failed, cancelled, client gone) before its decode started: the push may still land,
             # and nobody would claim it. The decode worker drops it, or refuses it if it comes later.
             r.sessions.drop_kv(dw, self.rid, attempt)
             raise
         decode_call = self._start_decode(dw, attempt, deadline)
-        done = self._next(prefill_call, pw, deadline)
+        done = await self._next(prefill_call, pw, deadline)
         if done is None or not done.HasField("transfer_done"):
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
-        self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
-                     transfer_s=round(done.transfer_done.transfer_s, 6),
-                     exposed_s=round(done.transfer_done.exposed_s, 6),
-                     kv_segments=done.transfer_done.num_segments,
-                     skipped_tokens=done.transfer_done.skipped_tokens)
-        return (yield from self._relay_decode(decode_call, dw, deadline))
+        await self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,
+                           transfer_s=round(done.transfer_done.transfer_s, 6),
+                           exposed_s=round(done.transfer_done.exposed_s, 6),
+                           kv_segments=done.transfer_done.num_segments,
+                           skipped_tokens=done.transfer_done.skipped_tokens)
+        return await self._relay_decode(decode_call, dw, deadline)
 
-    def _relay_decode(self, decode_call, dw, deadline: float, prefilled_here: bool = False):
+    async def _relay_decode(self, decode_call, dw, deadline: float, prefilled_here: bool = False) -> FinishReason:
         """Relay the decode stream's tokens until the output processor ends the request."""
         while True:
-            ev = self._next(decode_call, dw, deadline)
+            ev = await self._next(decode_call, dw, deadline)
             if ev is None:
                 raise _AttemptFailed("decode", dw.worker_id, dw.epoch, "stream ended without a finish reason")
             if prefilled_here:
                 prefilled_here = False
-                self._record(RequestState.DECODING)  # the decode worker's prefill is done
+                await self._record(RequestState.DECODING)  # the decode worker's prefill is done
             msg = self._push(list(ev.token_ids), ev.logprobs)
             if msg is not None:
-                yield msg
+                await self._send(msg)
             if self.out.finish_reason is not None:
                 return self.out.finish_reason
             if ev.HasField("finish_reason"):
@@ -329,16 +392,21 @@ class GenerateCall:
     def _timeout(self, deadline: float) -> float:
         return max(0.001, deadline - time.monotonic())
 
-    def _next(self, call, worker: WorkerInfo, deadline: float):
+    async def _next(self, call, worker: WorkerInfo, deadline: float):
         """The call's next message (None at its end); a failure is charged to the worker that failed."""
         try:
-            return next(call)
-        except StopIteration:
-            return None
+            msg = await call.read()
+            return None if msg is grpc.aio.EOF else msg
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # this request is cancelled
+            # An aio call cancelled here (the lease was lost) reads as CancelledError, not as a status.
+            if self._lease_lost is not None:
+                raise _AttemptFailed("lease", self.rid, "", self._lease_lost) from None
+            raise _AttemptFailed(worker.role, worker.worker_id, worker.epoch, "CANCELLED: the call was cancelled") \
+                from None
         except grpc.RpcError as exc:
             code = exc.code()
-            if not self.context.is_active():
-                raise ServiceError(grpc.StatusCode.CANCELLED, "client cancelled") from exc
             if self._lease_lost is not None:
                 raise _AttemptFailed("lease", self.rid, "", self._lease_lost) from exc
             if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
@@ -349,6 +417,7 @@ class GenerateCall:
             if code in _RETRYABLE:
                 raise _AttemptFailed(role, worker_id, epoch, f"{code.name}: {exc.details()}") from exc
             raise ServiceError(code, f"{role} worker {worker_id}: {exc.details()}") from exc
+
     def _push(self, token_ids: list[int], logprobs=()) -> handoff_pb2.GenerateResponse | None:
         """Feed tokens through the output processor; the message to stream, the last one when finished.
         `logprobs` (TokenLogprob, one per token when the request asked) go out with the tokens kept."""

@@ -1,15 +1,16 @@
 """The router's side of DecodeSession: one long-lived stream per decode worker for all of its requests.
 
-`DecodeSessions.start()` hands back a `SessionCall` that reads like the gRPC call of Decode it
-replaces (iterate it for DecodeEvents; it raises grpc.RpcError with a code and details; cancel()),
-so GenerateCall's relay, blame and failover logic is the same for both. One reader thread per
-session routes each message's events to the calls they belong to.
+Everything here runs on the router's event loop (grpc.aio): a session is a bidi stream fed from a
+queue and read by one task, which routes each message's events to the requests they belong to, so
+requests waiting for tokens hold no thread. `DecodeSessions.start()` hands back a `SessionCall` that
+reads like the aio call of Decode it replaces (`await read()` for DecodeEvents, `grpc.aio.EOF` after
+the last; it raises grpc.RpcError with a code and details; cancel()), so GenerateCall's relay, blame
+and failover logic is the same for both.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
-import threading
 import time
 
 import grpc
@@ -47,22 +48,20 @@ class SessionCall:
         self.session = session
         self.key = (request_id, attempt)
         self.deadline = deadline
-        self.events: queue.SimpleQueue = queue.SimpleQueue()  # DecodeEvent | SessionError
+        self.events: asyncio.Queue = asyncio.Queue()  # DecodeEvent | SessionError
         self._closed = False  # no longer routed to (ended, failed or cancelled)
         self._finished = False  # its last DecodeEvent was returned
-        self._error: SessionError | None = None  # raised again by every later next(), as gRPC does
+        self._error: SessionError | None = None  # raised again by every later read(), as gRPC does
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> internal_pb2.DecodeEvent:
+    async def read(self) -> internal_pb2.DecodeEvent:
+        """The next DecodeEvent; grpc.aio.EOF after the last one."""
         if self._finished:
-            raise StopIteration
+            return grpc.aio.EOF
         if self._error is not None:
             raise self._error
         try:
-            item = self.events.get(timeout=max(0.0, self.deadline - time.monotonic()))
-        except queue.Empty:
+            item = await asyncio.wait_for(self.events.get(), timeout=max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
             self.cancel()
             item = SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         if isinstance(item, SessionError):
@@ -75,13 +74,13 @@ class SessionCall:
         return item
 
     def cancel(self) -> None:
-        """Stop the request on the decode worker (its KV is freed there); next() then raises CANCELLED."""
+        """Stop the request on the decode worker (its KV is freed there); read() then raises CANCELLED."""
         if self._closed:
             return
         self._close()
         self.session.send(internal_pb2.SessionRequest(cancel=internal_pb2.SessionCancel(
             request_id=self.key[0], attempt=self.key[1])))
-        self.events.put(SessionError(grpc.StatusCode.CANCELLED, "cancelled"))
+        self.events.put_nowait(SessionError(grpc.StatusCode.CANCELLED, "cancelled"))
 
     def _close(self) -> None:
         self._closed = True
@@ -91,64 +90,68 @@ class SessionCall:
 class Session:
     """A DecodeSession stream to one decode worker (one epoch of it)."""
 
-    def __init__(self, channel: grpc.Channel, worker: WorkerInfo):
+    def __init__(self, channel: grpc.aio.Channel, worker: WorkerInfo):
         self.worker = worker
         self._channel = channel
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: asyncio.Queue = asyncio.Queue()  # SessionRequest, None to end the stream
         self._calls: dict[tuple[str, int], SessionCall] = {}
-        self._lock = threading.Lock()
         self.broken: SessionError | None = None
-        self._stream = internal_pb2_grpc.DecodeWorkerStub(channel).DecodeSession(iter(self._requests.get, None))
-        self._reader = threading.Thread(target=self._read, name=f"session-{worker.worker_id}", daemon=True)
-        self._reader.start()
+        self._stream = internal_pb2_grpc.DecodeWorkerStub(channel).DecodeSession(self._outgoing())
+        self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"session-{worker.worker_id}")
 
     def start(self, request: internal_pb2.DecodeRequest, deadline: float) -> SessionCall:
         call = SessionCall(self, request.request_id, request.attempt, deadline)
-        with self._lock:
-            if self.broken is None:
-                self._calls[call.key] = call
-            else:
-                call.events.put(self.broken)
-                return call
+        if self.broken is not None:
+            call.events.put_nowait(self.broken)
+            return call
+        self._calls[call.key] = call
         self.send(internal_pb2.SessionRequest(start=request))
         return call
 
     def send(self, request: internal_pb2.SessionRequest) -> None:
         if self.broken is None:
-            self._requests.put(request)
+            self._requests.put_nowait(request)
 
     def forget(self, call: SessionCall) -> None:
-        with self._lock:
-            if self._calls.get(call.key) is call:
-                del self._calls[call.key]
+        if self._calls.get(call.key) is call:
+            del self._calls[call.key]
 
-    def _read(self) -> None:
+    async def _outgoing(self):
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
         try:
-            for msg in self._stream:
-                with self._lock:
-                    routed = [(self._calls.get((ev.request_id, ev.attempt)), ev) for ev in msg.events]
-                for call, ev in routed:
+            async for msg in self._stream:
+                for ev in msg.events:
+                    call = self._calls.get((ev.request_id, ev.attempt))
                     if call is None:
                         continue  # cancelled or timed out here already
                     if ev.status_code:
-                        call.events.put(SessionError(_CODES.get(ev.status_code, grpc.StatusCode.UNKNOWN),
-                                                     ev.status_message))
+                        call.events.put_nowait(SessionError(_CODES.get(ev.status_code, grpc.StatusCode.UNKNOWN),
+                                                            ev.status_message))
                     else:
-                        call.events.put(ev.event)
+                        call.events.put_nowait(ev.event)
             error = SessionError(grpc.StatusCode.UNAVAILABLE,
                                  f"decode worker {self.worker.worker_id} ended its session")
         except grpc.RpcError as exc:
             error = SessionError(exc.code(), exc.details() or "the decode session broke")
-        with self._lock:
-            self.broken = error
-            calls, self._calls = list(self._calls.values()), {}
-        self._requests.put(None)  # ends the request iterator
+        except asyncio.CancelledError:  # close(): the router is stopping
+            error = SessionError(grpc.StatusCode.UNAVAILABLE, "the router closed its decode session")
+        self.broken = error
+        calls, self._calls = list(self._calls.values()), {}
+        self._requests.put_nowait(None)  # ends the request stream
         for call in calls:
-            call.events.put(error)
+            call.events.put_nowait(error)
+        await self._channel.close()
 
     def close(self) -> None:
+        """End the stream; the reader then fails what is left on it and closes the channel."""
         self._stream.cancel()
-        self._channel.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        await self.reader
 
 
 class DecodeSessions:
@@ -158,7 +161,7 @@ class DecodeSessions:
         self._credentials = credentials
         self._server_name = server_name
         self._sessions: dict[tuple[str, str], Session] = {}
-        self._lock = threading.Lock()
+        self._closing: set[asyncio.Task] = set()  # readers of replaced sessions, until they end
 
     def start(self, worker: WorkerInfo, request: internal_pb2.DecodeRequest, deadline: float) -> SessionCall:
         return self._session(worker).start(request, deadline)
@@ -170,22 +173,21 @@ class DecodeSessions:
 
     def _session(self, worker: WorkerInfo) -> Session:
         key = (worker.address, worker.epoch)
-        with self._lock:
-            # A broken session (worker gone, restarted) is replaced; those of other epochs of the same
-            # address are dropped, so sessions do not pile up as pods come and go.
-            for k, s in list(self._sessions.items()):
-                if s.broken is not None or (k[0] == key[0] and k != key):
-                    del self._sessions[k]
-                    s.close()
-            session = self._sessions.get(key)
-            if session is None:
-                channel = grpc_util.channel(worker.address, credentials=self._credentials,
-                                            server_name=self._server_name)
-                session = self._sessions[key] = Session(channel, worker)
-            return session
+        # A broken session (worker gone, restarted) is replaced; those of other epochs of the same
+        # address are dropped, so sessions do not pile up as pods come and go.
+        for k, s in list(self._sessions.items()):
+            if s.broken is not None or (k[0] == key[0] and k != key):
+                del self._sessions[k]
+                s.close()
+                self._closing.add(s.reader)
+                s.reader.add_done_callback(self._closing.discard)
+        session = self._sessions.get(key)
+        if session is None:
+            channel = grpc_util.channel(worker.address, credentials=self._credentials,
+                                        server_name=self._server_name, aio=True)
+            session = self._sessions[key] = Session(channel, worker)
+        return session
 
-    def close(self) -> None:
-        with self._lock:
-            sessions, self._sessions = list(self._sessions.values()), {}
-        for s in sessions:
-            s.close()
+    async def close(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(s.aclose() for s in sessions), *self._closing)

@@ -3,6 +3,7 @@ their KV cache holds, and the router sends a prompt to the worker that holds its
 that worker is not too much busier than the least loaded one."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -65,7 +66,7 @@ def test_load_outweighs_the_cache_beyond_the_balance_threshold(cluster):
     picker.cache_balance = 0
     picker._prefill_load[busy] += 1  # as if one request were in flight there
     try:
-        chosen, _ = picker.pick_prefill(time.monotonic() + 5, set(), prompt)
+        chosen, _ = asyncio.run(picker.pick_prefill(time.monotonic() + 5, set(), prompt))
         picker.done_prefill(chosen.worker_id)
         assert chosen.worker_id != busy
     finally:
