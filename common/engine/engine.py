@@ -374,12 +374,18 @@ class Engine:
 
     def _prefill_chunks(self) -> bool:
         """Run prompt chunks, oldest sequence first, up to the token budget (at least one chunk); a
-        sequence whose last chunk ran gets its first token at once, before the next prompt's chunks
-        run (the prompt alone, even for a resumed sequence: its completion is replayed by decode
-        rows). Sampling is row-invariant, so a first token does not depend on what ran with it."""
+        sequence whose last chunk ran gets its first token (the prompt alone, even for a resumed
+        sequence: its completion is replayed by decode rows). Sampling is row-invariant, so a first
+        token does not depend on what ran with it, or when.
+
+        prefill_only, a first token goes out at once, before the next prompt's chunks run: its K/V
+        push then overlaps their compute. Otherwise at the end of the pass, with the others': the
+        decode step that gives their second tokens comes only after the whole pass, and a first token
+        that came early would only make its gap to the second one longer."""
         budget = self.config.max_prefill_tokens
         chunk = self.hasher.chunk_tokens
         ran = False
+        done: list[tuple[Sequence, torch.Tensor, torch.Tensor]] = []  # (seq, logits, last hidden state)
         for seq in list(self.prefilling):
             logits = hidden = None
             n = len(seq.prompt_ids)
@@ -396,9 +402,14 @@ class Engine:
                     seq.kv_sink(start, end, self.runner.cache.export_seq(seq.seq_id, end, start))
             if seq.num_computed == n:
                 self.prefilling.remove(seq)
-                self._first_token(seq, logits, hidden)
+                if self.config.prefill_only:
+                    self._first_token(seq, logits, hidden)
+                else:
+                    done.append((seq, logits, hidden))
             if budget <= 0:
                 break
+        for seq, logits, hidden in done:
+            self._first_token(seq, logits, hidden)
         return ran
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
