@@ -95,6 +95,20 @@ class _Push:
             fingerprint=self.w.fingerprint(), reservation_id=t.reservation_id, attempt=t.attempt,
             prefix_hashes=prefix_hashes))
 
+    def _send_or_resend(self, stub, send_skipping, whole) -> internal_pb2.PushKVReply:
+        """send_skipping() pushes what the decode worker lacks; if it evicted the skipped prefix meanwhile
+        (ABORTED), push all of it again: whole() gives the prompt's whole K/V."""
+        try:
+            return send_skipping()
+        except grpc.RpcError as exc:
+            if not self.skip or exc.code() != grpc.StatusCode.ABORTED:
+                raise self._failed(exc) from exc
+        self.skip, self.num_segments = 0, 1
+        try:
+            return self._send_whole(stub, whole(), [])
+        except grpc.RpcError as exc:
+            raise self._failed(exc) from exc
+
     def _failed(self, exc: grpc.RpcError) -> ServiceError:
         return push_failed(self.w.config.worker_id, self.rid, self.target, exc)
 
@@ -121,16 +135,8 @@ def push_after(worker, rid: str, kv: torch.Tensor, block_hashes: list[bytes] | N
         stub = internal_pb2_grpc.KVTransferStub(ch)
         hashes = p._block_hashes(block_hashes)
         p.skip = p._cached_prefix(stub, hashes)
-        try:
-            reply = p._send_whole(stub, kv[:, :, p.skip * bs:], hashes[:p.skip])
-        except grpc.RpcError as exc:
-            if not p.skip or exc.code() != grpc.StatusCode.ABORTED:
-                raise p._failed(exc) from exc
-            p.skip = 0  # the prefix was evicted meanwhile: all of it, then
-            try:
-                reply = p._send_whole(stub, kv, [])
-            except grpc.RpcError as exc:
-                raise p._failed(exc) from exc
+        reply = p._send_or_resend(stub, lambda: p._send_whole(stub, kv[:, :, p.skip * bs:], hashes[:p.skip]),
+                                  lambda: kv)
     return p._done(reply)
 
 
@@ -217,20 +223,10 @@ class StreamedPush(_Push):
             bounds = [first] + list(range((first // chunk + 1) * chunk, self.prompt_len, chunk)) + [self.prompt_len]
             tokens = [b - a for a, b in zip(bounds, bounds[1:])]
             self.num_segments = len(tokens)
-            try:
-                reply = self._send(stub, encode_kv_segments(
-                    self._segments(bounds), tokens, request_id=self.rid, target_worker_id=t.worker_id,
-                    target_epoch=t.epoch, fingerprint=w.fingerprint(), reservation_id=t.reservation_id,
-                    attempt=t.attempt, prefix_hashes=hashes[:self.skip]))
-            except grpc.RpcError as exc:
-                if not self.skip or exc.code() != grpc.StatusCode.ABORTED:
-                    raise self._failed(exc) from exc
-                # The prefix was evicted meanwhile: all of it, then, once the prefill is done.
-                self.skip, self.num_segments = 0, 1
-                try:
-                    reply = self._send_whole(stub, self._whole(), [])
-                except grpc.RpcError as exc:
-                    raise self._failed(exc) from exc
+            reply = self._send_or_resend(stub, lambda: self._send(stub, encode_kv_segments(
+                self._segments(bounds), tokens, request_id=self.rid, target_worker_id=t.worker_id,
+                target_epoch=t.epoch, fingerprint=w.fingerprint(), reservation_id=t.reservation_id,
+                attempt=t.attempt, prefix_hashes=hashes[:self.skip])), self._whole)
         return self._done(reply)
 
     def _on_open(self, push) -> None:
@@ -261,9 +257,6 @@ class StreamedPush(_Push):
             k += 1
 
     def _whole(self) -> torch.Tensor:
-        """The prompt's whole K/V, from every piece the engine handed over (waits for the last)."""
-        while not self._pieces or self._pieces[-1][1] < self.prompt_len:
-            if self._abandoned:
-                raise ServiceError(grpc.StatusCode.CANCELLED, f"KV push of {self.rid} abandoned")
-            time.sleep(0.005)
+        """The prompt's whole K/V, from every piece the engine handed over. Called after a push that was
+        sent to its end, so the last piece is among them."""
         return torch.cat([kv for _, _, kv in self._pieces], dim=2)
