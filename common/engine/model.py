@@ -66,22 +66,44 @@ def dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear:
-    """A weight as int8 codes with one scale per output row, for torch's weight-only int8 kernel.
+    """A weight as int8 codes with one scale per output row: the decode LM head, half a 16-bit head's bytes.
 
-    Used for the decode LM head: the kernel gives a row the same bits at any batch size, and reads half
-    the bytes of a 16-bit head. Activations go in as bf16 (the kernel's fast path on CPU).
+    On the CPU the activations are quantized too, each row to two int8 digits with its own scale, and
+    the product is integer (`torch._int_mm`, int32 accumulation). Integer sums are exact, so a row's
+    result cannot depend on how the kernel blocks or splits the batch (invariant 4), and the head runs
+    at a GEMM's speed at any row count: 8.8 against 22.9 ms for 32 rows of SmolLM2's 49,152 x 576 head
+    with torch's weight-only int8 kernel (bf16 in), 1.7 against 2.4 ms for one row (2 threads, this
+    host, one run). The logits are approximate either way: the best REFINE_TOP of each row are then
+    recomputed in fp32.
     """
 
     def __init__(self, weight: torch.Tensor, device):
         w = weight.to(device=device, dtype=torch.float32)
         # max |w| per row without a full-size |w| temporary (the LM head is the largest weight)
         scales = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).clamp_min(1e-12) / 127.0  # [out]
-        self.codes = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()
-        self.scales = scales.to(torch.bfloat16)
+        codes = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.integer = codes.device.type == "cpu"
+        # _int_mm wants [in, out]; contiguous, it ran 1.70 against 2.06 ms for two rows (a transposed view)
+        self.codes = codes.t().contiguous() if self.integer else codes.contiguous()
+        self.scales_fp32 = scales
+        self.scales = scales.to(torch.bfloat16)  # the weight-only kernel's (off the CPU)
         self.nbytes = self.codes.numel() + self.scales.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
+        if not self.integer:
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
+        # Each row in two int8 digits, x ~ hi * s + lo * s / 254 (about 15 bits). With one digit the
+        # refined distribution's total-variation distance from fp32's was 2.5e-4 (median over 150 decode
+        # rows), twice the weight-only kernel's 1.2e-4; with two, 0.9e-4. Both digits go through one
+        # product, so the weights are read once whatever the row count.
+        x = x.float()
+        rows = x.shape[0]
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # [rows, 1]
+        hi = (x / scale).round_().clamp_(-127, 127)
+        lo = (x - hi * scale).div_(scale / 254.0).round_().clamp_(-127, 127)
+        # 576 x 127 x 127 < 2^31: no int32 overflow for any head narrower than 133,000 inputs
+        both = torch._int_mm(torch.cat([hi, lo]).to(torch.int8), self.codes).float()  # [2 rows, out]
+        return both[:rows].mul_(scale).add_(both[rows:].mul_(scale / 254.0)).mul_(self.scales_fp32)
 
 
 class Int4Linear:
@@ -291,8 +313,8 @@ class Llama(torch.nn.Module):
     def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Decode: fp32 hidden states [B, dim] → fp32 logits [B, V], each row independent of the others.
 
-        The int8 head approximates every logit (within ~0.5 % of the row's largest); the REFINE_TOP
-        best are then exact fp32, so greedy decoding is exact and sampling differs only in the tail.
+        The int8 head (int8 activations too, on the CPU) approximates every logit (within ~5 % of the
+        row's largest, 0.1 on average for SmolLM2); the REFINE_TOP best are then exact fp32, so greedy decoding is exact and sampling differs only in the tail.
         """
         return self._refine(self.lm_head_int8(hidden).float(), hidden)
 
