@@ -504,7 +504,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
     read_bytes = model.decode_weight_bytes(use_int4=True) if use_int4 else dense_bytes
     for label, nbytes, what in ((dtype, dense_bytes, "every weight dense"),
                                 ("read", read_bytes, "what a batch-1 step reads"
-                                 + (": packed int4 + the 16-bit lm_head" if use_int4 else ""))):
+                                 + (": packed int4 layers + the int8 lm_head" if use_int4 else ""))):
         bound = decode_bound_tok_s(gbs, nbytes)
         emit(f"decode_1seq_bound_{label}_weights", bound, f"tok/s ({nbytes / 1e6:.1f} MB per step, {what})",
              weight_bytes=nbytes)
