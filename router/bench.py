@@ -23,18 +23,21 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import grpc
 import torch
 
-from common.bench.engine import MODEL, base_parser, chat_prompt, emit, interleave, log, percentile, system_prompt
+from common.bench.engine import (MODEL, base_parser, chat_prompt, emit, emit_skipped, interleave, log, percentile,
+                                 system_prompt)
 from common.worker import WorkerConfig
 from router.cluster import Cluster
 from router.config import RouterConfig
 
-SECTIONS = ("ttft", "kv", "stream", "itl", "streams32", "prefix")
+SECTIONS = ("ttft", "kv", "stream", "placement", "itl", "streams32", "prefix")
 PEER = "engine-alone"
 TIMEOUT_S = 600.0
+TTFT_TOLERANCE = 1.1  # placement: remote may cost a request this much more TTFT than local
 HTTP2_FRAME_BYTES = 16384  # gRPC's default SETTINGS_MAX_FRAME_SIZE: one 9-byte frame header per this many bytes
 
 
@@ -342,6 +345,113 @@ def bench_stream(cl, client: ClusterClient, tokenizer, lengths: tuple[int, ...],
         p.stream_kv = p.config.stream_kv
 
 
+class Background:
+    """One long Generate stream kept running on the decode worker: what a prompt's placement costs the
+    streams already decoding shows in its gaps. Restarted when it ends."""
+
+    def __init__(self, client: ClusterClient, text: str, max_tokens: int = 400):
+        self.client, self.text, self.max_tokens = client, text, max_tokens
+        self.streams: list[Stream] = []
+        self._call = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-background", daemon=True)
+        self._thread.start()
+        while not self.streams or len(self.streams[-1].arrivals) < 8:  # decoding, not prefilling
+            time.sleep(0.01)
+
+    def _run(self) -> None:
+        from protos import handoff_pb2
+
+        i = 0
+        while not self._stop.is_set():
+            s = Stream(time.perf_counter())
+            self.streams.append(s)
+            req = handoff_pb2.GenerateRequest(prompt=self.text, max_tokens=self.max_tokens, temperature=0.0,
+                                              ignore_eos=True, request_id=f"bench-bg-{i}-{os.getpid()}")
+            self._call = self.client.stub.Generate(req, timeout=TIMEOUT_S)
+            try:
+                for msg in self._call:
+                    if msg.token_ids:
+                        s.arrivals.append((time.perf_counter(), len(msg.token_ids)))
+            except grpc.RpcError:
+                if not self._stop.is_set():  # cancelled by stop() is the only expected end
+                    raise
+            i += 1
+
+    def gaps_between(self, t0: float, t1: float) -> list[float]:
+        """Gaps between the background's token messages that end within [t0, t1], per token."""
+        out = []
+        for s in self.streams:
+            for (tp, _), (t, k) in zip(s.arrivals, s.arrivals[1:]):
+                if t0 <= t <= t1:
+                    out.extend([(t - tp) / k] * k)
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(timeout=60)
+
+
+def bench_placement(cl, client: ClusterClient, tokenizer, lengths: tuple[int, ...], reps: int) -> None:
+    """Where a prompt should be prefilled, by length: on the prefill worker (remote: prefill there, push the
+    KV) or on the decode worker (local: prefill in chunks between its decode steps). For each length, the
+    request's TTFT both ways and what it cost one stream already decoding there (its longest gap while
+    the request was in flight), the router's placement switched between requests, alternating. The
+    threshold is the shortest length from which remote prefill pays (remote_pays below) at that length
+    and every longer one measured."""
+    router = cl.router.router
+    config = router.config
+    bg_text, _ = chat_prompt(tokenizer, 64)
+    bg = Background(client, bg_text)
+    ttft: dict[int, dict[str, float]] = {}
+    stalls: dict[int, dict[str, float]] = {}
+    try:
+        baseline = statistics.median(bg.gaps_between(0, time.perf_counter()))
+        for n in lengths:
+            text, _ = chat_prompt(tokenizer, n)
+            got: dict[str, list[tuple[float, float]]] = {"remote": [], "local": []}
+            for i in range(reps):
+                for where in ("remote", "local") if i % 2 == 0 else ("local", "remote"):
+                    router.config = replace(config, prefill_mode="disaggregated" if where == "remote" else "colocated")
+                    time.sleep(0.1)  # a background gap or two before the request
+                    t0 = time.perf_counter()
+                    s = client.generate(text, 2, f"bench-place-{n}-{where}-{i}-{os.getpid()}")
+                    t1 = s.arrivals[-1][0]
+                    gaps = bg.gaps_between(t0, t1 + 0.05)
+                    got[where].append((s.ttft_s, max(gaps, default=0.0)))
+            ttft[n] = {w: statistics.median(t for t, _ in v) for w, v in got.items()}
+            stalls[n] = stall = {w: statistics.median(g for _, g in v) for w, v in got.items()}
+            emit(f"placement_ttft_ms_{n}tok", ms(ttft[n]["remote"]), "ms TTFT prefilled on the prefill worker "
+                 "(ratio = remote / local: below 1, remote pays)", peer="local (on the decode worker)",
+                 peer_value=ms(ttft[n]["local"]), samples=reps, prompt_len=n)
+            emit(f"placement_decode_stall_ms_{n}tok", ms(stall["remote"]), "ms: a decoding stream's longest gap "
+                 "while the request was in flight, remote (ratio = remote / local)", peer="local",
+                 peer_value=ms(stall["local"]), baseline_itl_ms=ms(baseline), prompt_len=n)
+            log(f"placement {n} tokens: TTFT remote {ms(ttft[n]['remote']):.1f} / local {ms(ttft[n]['local']):.1f} ms; "
+                f"decoding stream's longest gap {ms(stall['remote']):.1f} / {ms(stall['local']):.1f} ms "
+                f"(its ITL p50 {ms(baseline):.1f} ms)")
+    finally:
+        router.config = config
+        bg.stop()
+    # Remote pays at a length when it costs the decoding streams no more than local prefill does and the
+    # request's own TTFT no more than TTFT_TOLERANCE above local's (the push's fixed cost, ~20-40 ms, is
+    # what short prompts pay remotely).
+    def remote_pays(n: int) -> bool:
+        return stalls[n]["remote"] <= stalls[n]["local"] and ttft[n]["remote"] <= TTFT_TOLERANCE * ttft[n]["local"]
+
+    pays = [n for n in lengths if all(remote_pays(m) for m in lengths if m >= n)]
+    if not pays:
+        emit_skipped("placement_threshold_tokens", f"remote prefill did not pay at {lengths[-1]} tokens",
+                     "measure longer prompts", lengths=list(lengths))
+        return
+    emit("placement_threshold_tokens", pays[0], f"prompt tokens from which remote prefill costs the decoding "
+         f"streams no more than local and its TTFT is within {TTFT_TOLERANCE}x of local, at every longer length "
+         "measured (--remote-prefill-min-tokens)", lengths=list(lengths),
+         configured=config.remote_prefill_min_tokens)
+
+
 def _kv_counter(registry, cl) -> float:
     """KV bytes the prefill workers have counted as pushed so far."""
     return sum(registry.get_sample_value("handoff_kv_transfer_bytes_total",
@@ -441,6 +551,9 @@ def main(argv: list[str] | None = None) -> None:
             bench_kv(cl, client, prompts, rids, reps=2 if q else 4)
         if "stream" in sections:
             bench_stream(cl, client, tokenizer, (128, 1024) if q else (128, 1024, 4096), reps=1 if q else 4)
+        if "placement" in sections:
+            bench_placement(cl, client, tokenizer, (32, 64, 128) if q else (32, 64, 128, 256, 512, 1024),
+                            reps=1 if q else 4)
         if "itl" in sections:
             bench_itl(client, alone, prompts[128], itl_rounds, itl_tokens)
         if "streams32" in sections:

@@ -33,7 +33,10 @@ class RouterConfig:
     # worker that decodes them; no prefill pool needed) or conditional (on a prefill worker when the
     # prompt has at least remote_prefill_min_tokens tokens, else on the decode worker).
     prefill_mode: str = "disaggregated"
-    remote_prefill_min_tokens: int = 256
+    # 64 from `python -m router.bench --only placement` on 2 CPU cores (docs/operations.md): from 32-64 prompt
+    # tokens on, remote prefill gave a TTFT within 1.1x of local (the push's fixed cost) and stalled a
+    # decoding stream 34-61 ms instead of the whole prefill (124-183 ms at 32-64 tokens, 2.3 s at 1,024).
+    remote_prefill_min_tokens: int = 64
     routing: str = "cache_aware"  # prefill choice: cache_aware (longest cached prefix, load permitting) or least_loaded
     cache_balance: int = 4  # cache_aware: a worker may have this many more requests in flight than the least loaded
     # Generate streams in flight, per port (gRPC, HTTP): beyond, RESOURCE_EXHAUSTED (429) at once. A stream
@@ -89,8 +92,10 @@ class RouterConfig:
                      "where prompts are prefilled: disaggregated (on a prefill worker, KV pushed to the decode "
                      "worker), colocated (on the decode worker itself; no prefill pool needed) or conditional "
                      "(on a prefill worker from --remote-prefill-min-tokens prompt tokens on, else colocated)")
-        cli.add_flag(p, "--remote-prefill-min-tokens", "HANDOFF_REMOTE_PREFILL_MIN_TOKENS", 256,
-                     "conditional: the shortest prompt (in tokens) prefilled on a prefill worker", int)
+        cli.add_flag(p, "--remote-prefill-min-tokens", "HANDOFF_REMOTE_PREFILL_MIN_TOKENS",
+                     RouterConfig.remote_prefill_min_tokens,
+                     "conditional: the shortest prompt (in tokens) prefilled on a prefill worker "
+                     "(measure yours: python -m router.bench --only placement)", int)
         cli.add_flag(p, "--routing", "HANDOFF_ROUTING", "cache_aware",
                      "prefill worker choice: cache_aware (the longest cached prompt prefix, unless that worker is "
                      "busier than the least loaded by more than --cache-balance) or least_loaded")

@@ -32,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from common.bench.engine import emit, emit_skipped, log
+from router.config import RouterConfig
 from router.loadgen_cluster import PinnedCluster, modes, router_prefill_modes
 from router.loadgen_report import machine_line, report_goodput, report_ratios
 from router.loadgen_workload import (CHAT, LONG, MIXES, PROMPT_ID_RANGE, SLO, SLO_ATTAINMENT,
@@ -233,8 +234,9 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
 
 def same_as_disaggregated(mode, mix: str, args) -> bool:
     """Conditional on a mix whose shortest prompt is above the threshold is disaggregated by definition;
-    the full run leaves it out (about 3 minutes); asked for by name (--modes and --mixes), it runs."""
-    if mode.prefill_mode != "conditional" or (args.modes_asked and args.mixes_asked):
+    the full run leaves it out (about 3 minutes); asked for by name (--modes and --mixes), it runs. Chat
+    always runs: the conditional target is measured there."""
+    if mode.prefill_mode != "conditional" or mix == "chat" or (args.modes_asked and args.mixes_asked):
         return False
     return all(round(s.prompt_len * (1 - s.spread)) >= args.remote_prefill_min_tokens for s, _ in MIXES[mix])
 
@@ -284,8 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "the mix's unloaded end-to-end time (full 1 2 3.5, quick 0.5 1.5)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool of each decode worker")
-    p.add_argument("--remote-prefill-min-tokens", type=int, default=512,
-                   help="conditional mode: prompts of at least this many tokens are prefilled remotely")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=RouterConfig.remote_prefill_min_tokens,
+                   help="conditional mode: prompts of at least this many tokens are prefilled remotely "
+                   "(default: the router's)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: docs/ after a full run, "
                    "none after --quick or a partial one: --modes, --mixes or --rates)")
     p.add_argument("--logs", metavar="DIR", help="service logs (default: a temporary folder)")

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import redis_server
 from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
+from router.config import RouterConfig
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0  # a worker loads the model (a few seconds) and warms up; two cores are shared
@@ -108,7 +109,7 @@ class PinnedCluster:
     """Redis, the mode's workers and a router; `with` it, so every process stops on any exit."""
 
     def __init__(self, mode: Mode, log_dir: Path, *, dtype: str = "auto", kv_memory_gib: float = 1.0,
-                 remote_prefill_min_tokens: int = 512):
+                 remote_prefill_min_tokens: int = RouterConfig.remote_prefill_min_tokens):
         self.mode, self.log_dir = mode, Path(log_dir)
         self.dtype, self.kv_memory_gib = dtype, kv_memory_gib
         self.remote_prefill_min_tokens = remote_prefill_min_tokens

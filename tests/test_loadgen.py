@@ -145,7 +145,7 @@ def test_modes_pin_workers_and_set_the_routers_placement(tmp_path):
     assert all(flag(a, "--host") == "127.0.0.1" for a in [*workers, router])  # loopback only
 
 
-def test_conditional_on_long_documents_is_left_out_of_the_full_run():
+def test_conditional_is_left_out_of_the_full_run_where_it_is_disaggregated():
     from types import SimpleNamespace
 
     from router.loadgen_cluster import modes
@@ -155,6 +155,11 @@ def test_conditional_on_long_documents_is_left_out_of_the_full_run():
     left_out = [(m, mix) for m in all_modes for mix in ("chat", "long", "blend")
                 if loadgen.same_as_disaggregated(all_modes[m], mix, full)]
     assert left_out == [("conditional", "long")]  # 1,536-token prompts, all prefilled remotely
+    # At the router's default threshold every prompt of every mix goes remote, yet chat still runs:
+    # the conditional target is measured there.
+    default = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=64)
+    assert [mix for mix in ("chat", "long", "blend")
+            if loadgen.same_as_disaggregated(all_modes["conditional"], mix, default)] == ["long", "blend"]
     low = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=2048)
     assert not loadgen.same_as_disaggregated(all_modes["conditional"], "long", low)
     asked = SimpleNamespace(modes_asked=True, mixes_asked=True, remote_prefill_min_tokens=512)
