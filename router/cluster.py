@@ -129,6 +129,10 @@ def main(argv=None) -> None:
                         "(colocated) or by prompt length (conditional, see --remote-prefill-min-tokens)")
     p.add_argument("--remote-prefill-min-tokens", type=int, default=RouterConfig.remote_prefill_min_tokens,
                    help="conditional: the shortest prompt prefilled on a prefill worker")
+    p.add_argument("--remote-prefill-max-queue-ratio", type=float,
+                   default=RouterConfig.remote_prefill_max_queue_ratio,
+                   help="conditional: prefill on the decode worker a prompt that would queue behind more than "
+                        "this many times its length on the prefill worker (0 = off)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 when colocated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--port", type=int, default=50051, help="the router's Generate port")
@@ -145,7 +149,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.prefill is None:
         args.prefill = 0 if args.prefill_mode == "colocated" else 1
-    router = RouterConfig(prefill_mode=args.prefill_mode, remote_prefill_min_tokens=args.remote_prefill_min_tokens)
+    router = RouterConfig(prefill_mode=args.prefill_mode, remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+                          remote_prefill_max_queue_ratio=args.remote_prefill_max_queue_ratio)
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
                       threads=args.threads, router=router, http_port=args.http_port)

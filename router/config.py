@@ -37,6 +37,11 @@ class RouterConfig:
     # tokens on, remote prefill gave a TTFT within 1.1x of local (the push's fixed cost) and stalled a
     # decoding stream 34-61 ms instead of the whole prefill (124-183 ms at 32-64 tokens, 2.3 s at 1,024).
     remote_prefill_min_tokens: int = 64
+    # Conditional: a prompt that would wait behind more than this many times its own length in prompt tokens
+    # (this router's, on the least loaded prefill worker) is prefilled on its decode worker instead, so a
+    # short prompt does not queue behind long documents (Dynamo's prefill-queue limit, in tokens). At 3, a
+    # remote TTFT stays within about 4x of the prompt's own prefill. 0 = prompt length alone decides.
+    remote_prefill_max_queue_ratio: float = 3.0
     routing: str = "cache_aware"  # prefill choice: cache_aware (longest cached prefix, load permitting) or least_loaded
     cache_balance: int = 4  # cache_aware: a worker may have this many more requests in flight than the least loaded
     # Generate streams in flight, per port (gRPC, HTTP): beyond, RESOURCE_EXHAUSTED (429) at once. A stream
@@ -61,6 +66,9 @@ class RouterConfig:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
         if self.remote_prefill_min_tokens < 1:
             raise ValueError(f"remote_prefill_min_tokens must be >= 1, got {self.remote_prefill_min_tokens}")
+        if not self.remote_prefill_max_queue_ratio >= 0:  # rejects NaN too
+            raise ValueError(f"remote_prefill_max_queue_ratio must be >= 0 (0 = off), got "
+                             f"{self.remote_prefill_max_queue_ratio}")
         if self.cache_balance < 0:
             raise ValueError(f"cache_balance must be >= 0, got {self.cache_balance}")
         for name in ("default_max_tokens", "max_messages", "max_queued", "max_attempts", "max_streams",
@@ -96,6 +104,11 @@ class RouterConfig:
                      RouterConfig.remote_prefill_min_tokens,
                      "conditional: the shortest prompt (in tokens) prefilled on a prefill worker "
                      "(measure yours: python -m router.bench --only placement)", int)
+        cli.add_flag(p, "--remote-prefill-max-queue-ratio", "HANDOFF_REMOTE_PREFILL_MAX_QUEUE_RATIO",
+                     RouterConfig.remote_prefill_max_queue_ratio,
+                     "conditional: prefill on the decode worker a prompt that would queue behind more than "
+                     "this many times its length in prompt tokens on the least loaded prefill worker (0 = off)",
+                     float)
         cli.add_flag(p, "--routing", "HANDOFF_ROUTING", "cache_aware",
                      "prefill worker choice: cache_aware (the longest cached prompt prefix, unless that worker is "
                      "busier than the least loaded by more than --cache-balance) or least_loaded")

@@ -48,6 +48,9 @@ class WorkerPicker:
         self._queue_slots = threading.BoundedSemaphore(max_queued)
         self._lock = threading.Lock()
         self._prefill_load: Counter[str] = Counter()  # requests this router has in flight per prefill worker
+        # Prompt tokens this router has sent to each prefill worker whose first token has not come back:
+        # its prefill queue, as far as this router knows (conditional placement reads it).
+        self._prefill_tokens: Counter[str] = Counter()
         self._warned: set[str] = set()
 
     def _live(self, role: str, exclude: Excluded) -> list[WorkerInfo]:
@@ -187,6 +190,25 @@ class WorkerPicker:
                 for wid, n in self.state.cached_prefix_chunks([w.worker_id for w in group], hashes).items():
                     out[wid] = n * chunk
         return out
+
+    async def prefill_backlog(self, exclude: Excluded = frozenset()) -> int | None:
+        """Prompt tokens queued on the least loaded live prefill worker (this router's requests whose first
+        token has not come back); None when no prefill worker this request may use is registered."""
+        workers = await self.blocking.run(self._live, "prefill", exclude)
+        if not workers:
+            return None
+        with self._lock:
+            return min(self._prefill_tokens[w.worker_id] for w in workers)
+
+    def prefill_started(self, worker_id: str, num_tokens: int) -> None:
+        with self._lock:
+            self._prefill_tokens[worker_id] += num_tokens
+
+    def prefill_finished(self, worker_id: str, num_tokens: int) -> None:
+        with self._lock:
+            self._prefill_tokens[worker_id] -= num_tokens
+            if self._prefill_tokens[worker_id] <= 0:
+                del self._prefill_tokens[worker_id]
 
     def done_prefill(self, worker_id: str) -> None:
         with self._lock:

@@ -297,13 +297,19 @@ class GenerateCall:
 
     async def _prefill_here(self, exclude: Excluded) -> bool:
         """Prefill on the decode worker? Colocated: always. Conditional: when the prompt is too short for
-        the KV transfer to pay, or no prefill worker is left to take it (the decode worker can)."""
-        mode = self.r.config.prefill_mode
-        if mode != "conditional":
-            return mode == "colocated"
-        if len(self.req.prompt_ids) < self.r.config.remote_prefill_min_tokens:
+        the KV transfer to pay, when the prefill queue would multiply its TTFT (more than
+        remote_prefill_max_queue_ratio times its own length already queued on the least loaded prefill
+        worker: a short prompt behind a long document), or when no prefill worker is left to take it."""
+        cfg = self.r.config
+        if cfg.prefill_mode != "conditional":
+            return cfg.prefill_mode == "colocated"
+        n = len(self.req.prompt_ids)
+        if n < cfg.remote_prefill_min_tokens:
             return True
-        return not await self.r.picker.has_prefill(exclude)
+        backlog = await self.r.picker.prefill_backlog(exclude)
+        if backlog is None:
+            return True
+        return bool(cfg.remote_prefill_max_queue_ratio) and backlog > cfg.remote_prefill_max_queue_ratio * n
 
     async def _relay_local(self, attempt: int, dw, deadline: float) -> FinishReason:
         """One colocated attempt: the decode worker prefills the prompt (replaying what a resumed request
@@ -342,27 +348,37 @@ class GenerateCall:
                                              reservation_id=self.rid, attempt=attempt)),
             timeout=self._timeout(deadline)))
         prefill_fields = {}
+        # In this router's view of pw's prefill queue from now until the first token (a resumed attempt
+        # has none: until the push is done).
+        queued = len(req.prompt_ids)
+        r.picker.prefill_started(pw.worker_id, queued)
         try:
-            if not resumed:
-                first = await self._next(prefill_call, pw, deadline)
-                if first is None or not first.HasField("first_token"):
-                    raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
-                prefill_fields["cached_tokens"] = first.first_token.cached_tokens
-                prefill_fields["prefill_s"] = round(first.first_token.prefill_s, 6)
-                msg = self._push([first.first_token.token_id],
-                                 [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
-                if msg is not None:
-                    await self._send(msg)
-                if self.out.finish_reason is not None:
-                    return self.out.finish_reason
-            await self._record(RequestState.TRANSFERRING, **prefill_fields)
-        except BaseException:
-            # Ended (failed, cancelled, client gone) before its decode started: the push may still land,
-            # and nobody would claim it. The decode worker drops it, or refuses it if it comes later.
-            r.sessions.drop_kv(dw, self.rid, attempt)
-            raise
-        decode_call = self._start_decode(dw, attempt, deadline)
-        done = await self._next(prefill_call, pw, deadline)
+            try:
+                if not resumed:
+                    first = await self._next(prefill_call, pw, deadline)
+                    r.picker.prefill_finished(pw.worker_id, queued)
+                    queued = 0
+                    if first is None or not first.HasField("first_token"):
+                        raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
+                    prefill_fields["cached_tokens"] = first.first_token.cached_tokens
+                    prefill_fields["prefill_s"] = round(first.first_token.prefill_s, 6)
+                    msg = self._push([first.first_token.token_id],
+                                     [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
+                    if msg is not None:
+                        await self._send(msg)
+                    if self.out.finish_reason is not None:
+                        return self.out.finish_reason
+                await self._record(RequestState.TRANSFERRING, **prefill_fields)
+            except BaseException:
+                # Ended (failed, cancelled, client gone) before its decode started: the push may still land,
+                # and nobody would claim it. The decode worker drops it, or refuses it if it comes later.
+                r.sessions.drop_kv(dw, self.rid, attempt)
+                raise
+            decode_call = self._start_decode(dw, attempt, deadline)
+            done = await self._next(prefill_call, pw, deadline)
+        finally:
+            if queued:
+                r.picker.prefill_finished(pw.worker_id, queued)
         if done is None or not done.HasField("transfer_done"):
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
         await self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,

@@ -136,3 +136,35 @@ def test_a_cluster_without_prefill_workers_needs_a_mode_that_prefills_on_decode(
         RouterConfig(prefill_mode="split")
     with pytest.raises(ValueError, match="remote_prefill_min_tokens"):
         RouterConfig(prefill_mode="conditional", remote_prefill_min_tokens=0)
+    with pytest.raises(ValueError, match="remote_prefill_max_queue_ratio"):
+        RouterConfig(prefill_mode="conditional", remote_prefill_max_queue_ratio=float("nan"))
+
+
+def test_conditional_prefills_locally_a_prompt_that_would_queue_behind_a_long_one(cluster):
+    """Conditional placement looks at the prefill queue too: a prompt long enough to go remote on its own
+    is prefilled on the decode worker while more than remote_prefill_max_queue_ratio times its length is
+    queued on the prefill worker (a long document prefilling), and remotely once the queue is empty. Its
+    tokens are the same either way."""
+    document = LONG * 3  # ~1,800 tokens: seconds of prefill on one core
+    medium = LONG[:900]  # past THRESHOLD (~190 tokens), and 3x its length is under the document's
+    ratio = cluster.routers["conditional"].config.remote_prefill_max_queue_ratio
+    assert ratio == RouterConfig.remote_prefill_max_queue_ratio > 0
+    long_rid = "cond-queue-doc"
+    t = threading.Thread(target=generate, args=(cluster, "conditional", document, long_rid),
+                         kwargs=dict(max_tokens=2, temperature=0.0))
+    t.start()
+    deadline = time.monotonic() + 30
+    while (cluster.state.get_request(long_rid) or {}).get("state") != RequestState.PREFILLING.value:
+        assert time.monotonic() < deadline, "the document never started prefilling"
+        time.sleep(0.005)
+    time.sleep(0.05)
+    behind = generate(cluster, "conditional", medium, "cond-queue-behind", max_tokens=8, temperature=0.0)
+    doc_record = cluster.state.get_request(long_rid)
+    t.join(timeout=120)
+    assert doc_record["prefill_placement"] == "remote"
+    assert cluster.state.get_request("cond-queue-behind")["prefill_placement"] == "local"
+    assert behind[-1].prompt_tokens >= THRESHOLD  # length alone would have sent it remote
+    alone = generate(cluster, "conditional", medium, "cond-queue-alone", max_tokens=8, temperature=0.0)
+    assert cluster.state.get_request("cond-queue-alone")["prefill_placement"] == "remote"
+    assert ids_of(behind) == ids_of(alone)
+    wait_idle(cluster)

@@ -40,7 +40,10 @@ def test_kill_decode_worker_colocated(colocated, victim):
 def test_kill_prefill_worker_conditional_falls_back_to_decode(tmp_path):
     procs = ProcCluster(tmp_path, num_prefill=1, num_decode=2,
                         env={"HANDOFF_PREFILL_MODE": "conditional",
-                             "HANDOFF_REMOTE_PREFILL_MIN_TOKENS": str(MIN_REMOTE_TOKENS)}).start()
+                             "HANDOFF_REMOTE_PREFILL_MIN_TOKENS": str(MIN_REMOTE_TOKENS),
+                             # length alone: every long prompt queues on prefill-0, so the ones moved
+                             # to a decode worker are moved by the fallback, not by the queue rule
+                             "HANDOFF_REMOTE_PREFILL_MAX_QUEUE_RATIO": "0"}).start()
     try:
         words = " and then it walked on" * 40
         specs = [replace(s, prompt=s.prompt + words, max_tokens=8) for s in SPECS]

@@ -19,7 +19,8 @@ def test_router_reads_the_prefill_mode_from_the_configmap():
     assert data["dtype"] == "auto", "CPU pods must not default to bf16 that their CPU may only emulate"
     router = env(container(one(objs, "Deployment", "router")))
     for var, key in (("HANDOFF_PREFILL_MODE", "prefill-mode"),
-                     ("HANDOFF_REMOTE_PREFILL_MIN_TOKENS", "remote-prefill-min-tokens")):
+                     ("HANDOFF_REMOTE_PREFILL_MIN_TOKENS", "remote-prefill-min-tokens"),
+                     ("HANDOFF_REMOTE_PREFILL_MAX_QUEUE_RATIO", "remote-prefill-max-queue-ratio")):
         assert router[var]["valueFrom"]["configMapKeyRef"]["key"] == key
 
 
