@@ -233,10 +233,12 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
 
 
 def same_as_disaggregated(mode, mix: str, args) -> bool:
-    """Conditional on a mix whose shortest prompt is above the threshold is disaggregated by definition;
-    the full run leaves it out (about 3 minutes); asked for by name (--modes and --mixes), it runs. Chat
-    always runs: the conditional target is measured there."""
+    """Conditional on a mix whose shortest prompt is above the threshold, with the queue rule off, is
+    disaggregated by definition; the full run leaves it out (about 3 minutes); asked for by name (--modes
+    and --mixes), it runs. Chat always runs: the conditional target is measured there."""
     if mode.prefill_mode != "conditional" or mix == "chat" or (args.modes_asked and args.mixes_asked):
+        return False
+    if args.remote_prefill_max_queue_ratio:  # a queued prefill worker sends prompts to the decode worker
         return False
     return all(round(s.prompt_len * (1 - s.spread)) >= args.remote_prefill_min_tokens for s, _ in MIXES[mix])
 
@@ -246,7 +248,8 @@ def run_mode(mode, args, size: dict, base: Baseline | None, log_dir: Path, rates
     points: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     with PinnedCluster(mode, log_dir, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
-                       remote_prefill_min_tokens=args.remote_prefill_min_tokens) as cl:
+                       remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+                       remote_prefill_max_queue_ratio=args.remote_prefill_max_queue_ratio) as cl:
         log(f"mode {mode.name}: services serving after {time.perf_counter() - t0:.0f} s")
         gen = LoadGen(cl.router_address, f"lg-{mode.name}-{os.getpid()}")
         try:
@@ -289,11 +292,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--remote-prefill-min-tokens", type=int, default=RouterConfig.remote_prefill_min_tokens,
                    help="conditional mode: prompts of at least this many tokens are prefilled remotely "
                    "(default: the router's)")
+    p.add_argument("--remote-prefill-max-queue-ratio", type=float,
+                   default=RouterConfig.remote_prefill_max_queue_ratio,
+                   help="conditional mode: ... unless more than this many times their length is queued on the "
+                   "prefill worker (default: the router's; 0 = length alone)")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: docs/ after a full run, "
                    "none after --quick or a partial one: --modes, --mixes or --rates)")
     p.add_argument("--logs", metavar="DIR", help="service logs (default: a temporary folder)")
     args = p.parse_args(argv)
-    all_modes = modes(args.remote_prefill_min_tokens)
+    all_modes = modes(args.remote_prefill_min_tokens, args.remote_prefill_max_queue_ratio)
     size = QUICK if args.quick else FULL
     args.modes_asked, args.mixes_asked = bool(args.modes), bool(args.mixes)
     full_run = not (args.quick or args.modes or args.mixes or args.rates)

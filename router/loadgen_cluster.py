@@ -47,10 +47,13 @@ class Mode:
     about: str  # one line for the output
 
 
-def modes(remote_prefill_min_tokens: int) -> dict[str, Mode]:
+def modes(remote_prefill_min_tokens: int,
+          remote_prefill_max_queue_ratio: float = RouterConfig.remote_prefill_max_queue_ratio) -> dict[str, Mode]:
     p0 = WorkerSpec("prefill", "prefill-0", "0", 1)
     d1 = WorkerSpec("decode", "decode-0", "1", 1)
-    cond = f"conditional (prompts >= {remote_prefill_min_tokens} tokens prefilled remotely)"
+    cond = (f"conditional (prompts >= {remote_prefill_min_tokens} tokens prefilled remotely"
+            + (f", unless more than {remote_prefill_max_queue_ratio:g}x their length is queued there)"
+               if remote_prefill_max_queue_ratio else ")"))
     return {m.name: m for m in (
         Mode("disaggregated", "disaggregated", (p0, d1), "1 prefill (core 0) + 1 decode (core 1), 1 thread each"),
         Mode("colocated-1x2t", "colocated", (WorkerSpec("decode", "decode-0", "0-1", 2),),
@@ -109,10 +112,12 @@ class PinnedCluster:
     """Redis, the mode's workers and a router; `with` it, so every process stops on any exit."""
 
     def __init__(self, mode: Mode, log_dir: Path, *, dtype: str = "auto", kv_memory_gib: float = 1.0,
-                 remote_prefill_min_tokens: int = RouterConfig.remote_prefill_min_tokens):
+                 remote_prefill_min_tokens: int = RouterConfig.remote_prefill_min_tokens,
+                 remote_prefill_max_queue_ratio: float = RouterConfig.remote_prefill_max_queue_ratio):
         self.mode, self.log_dir = mode, Path(log_dir)
         self.dtype, self.kv_memory_gib = dtype, kv_memory_gib
         self.remote_prefill_min_tokens = remote_prefill_min_tokens
+        self.remote_prefill_max_queue_ratio = remote_prefill_max_queue_ratio
         self.taskset = shutil.which("taskset")
         self.procs: list[Proc] = []
         self.redis: EmbeddedRedis | None = None
@@ -161,7 +166,8 @@ class PinnedCluster:
         if self.mode.prefill_mode != "disaggregated":  # the flag exists only where the modes do
             argv += ["--prefill-mode", self.mode.prefill_mode]
         if self.mode.prefill_mode == "conditional":
-            argv += ["--remote-prefill-min-tokens", str(self.remote_prefill_min_tokens)]
+            argv += ["--remote-prefill-min-tokens", str(self.remote_prefill_min_tokens),
+                     "--remote-prefill-max-queue-ratio", str(self.remote_prefill_max_queue_ratio)]
         return argv
 
     def _spawn(self, p: Proc) -> None:

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from router import loadgen
+from router.config import RouterConfig
 from router.loadgen_workload import (LONG, SLO, TPOT_SLO_FACTOR, TTFT_SLO_FACTOR, Result, attainment, goodput, meets,
                                      percentiles, plan)
 
@@ -142,6 +143,7 @@ def test_modes_pin_workers_and_set_the_routers_placement(tmp_path):
     workers, router = argvs("conditional")
     assert [w[5] for w in workers] == ["prefill_svc", "decode_svc"]
     assert flag(router, "--prefill-mode") == "conditional" and flag(router, "--remote-prefill-min-tokens") == "300"
+    assert float(flag(router, "--remote-prefill-max-queue-ratio")) == RouterConfig.remote_prefill_max_queue_ratio
     assert all(flag(a, "--host") == "127.0.0.1" for a in [*workers, router])  # loopback only
 
 
@@ -151,19 +153,29 @@ def test_conditional_is_left_out_of_the_full_run_where_it_is_disaggregated():
     from router.loadgen_cluster import modes
 
     all_modes = modes(remote_prefill_min_tokens=512)
-    full = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=512)
+    full = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=512,
+                           remote_prefill_max_queue_ratio=0)
     left_out = [(m, mix) for m in all_modes for mix in ("chat", "long", "blend")
                 if loadgen.same_as_disaggregated(all_modes[m], mix, full)]
     assert left_out == [("conditional", "long")]  # 1,536-token prompts, all prefilled remotely
     # At the router's default threshold every prompt of every mix goes remote, yet chat still runs:
     # the conditional target is measured there.
-    default = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=64)
+    default = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=64,
+                              remote_prefill_max_queue_ratio=0)
     assert [mix for mix in ("chat", "long", "blend")
             if loadgen.same_as_disaggregated(all_modes["conditional"], mix, default)] == ["long", "blend"]
-    low = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=2048)
+    low = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=2048,
+                          remote_prefill_max_queue_ratio=0)
     assert not loadgen.same_as_disaggregated(all_modes["conditional"], "long", low)
-    asked = SimpleNamespace(modes_asked=True, mixes_asked=True, remote_prefill_min_tokens=512)
+    asked = SimpleNamespace(modes_asked=True, mixes_asked=True, remote_prefill_min_tokens=512,
+                            remote_prefill_max_queue_ratio=0)
     assert not loadgen.same_as_disaggregated(all_modes["conditional"], "long", asked)
+    # With the queue rule on (the router's default), a queued prefill worker sends even long prompts to
+    # the decode worker: conditional is never disaggregated by definition, and every mix runs.
+    queue = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=64,
+                            remote_prefill_max_queue_ratio=3.0)
+    assert not any(loadgen.same_as_disaggregated(all_modes["conditional"], mix, queue)
+                   for mix in ("chat", "long", "blend"))
 
 
 def test_ratio_lines(capsys):
