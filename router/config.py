@@ -42,6 +42,10 @@ class RouterConfig:
     # short prompt does not queue behind long documents (Dynamo's prefill-queue limit, in tokens). At 3, a
     # remote TTFT stays within about 4x of the prompt's own prefill. 0 = prompt length alone decides.
     remote_prefill_max_queue_ratio: float = 3.0
+    # ... but only a prompt of at most this many tokens: a longer one prefilled on the decode worker stops its
+    # streams for seconds (measured: one 1,536-token prompt placed there made all 5 requests of a point miss
+    # TPOT), so it queues for the prefill worker whatever the queue.
+    remote_prefill_queue_max_tokens: int = 512
     routing: str = "cache_aware"  # prefill choice: cache_aware (longest cached prefix, load permitting) or least_loaded
     cache_balance: int = 4  # cache_aware: a worker may have this many more requests in flight than the least loaded
     # Generate streams in flight, per port (gRPC, HTTP): beyond, RESOURCE_EXHAUSTED (429) at once. A stream
@@ -66,6 +70,9 @@ class RouterConfig:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
         if self.remote_prefill_min_tokens < 1:
             raise ValueError(f"remote_prefill_min_tokens must be >= 1, got {self.remote_prefill_min_tokens}")
+        if self.remote_prefill_queue_max_tokens < 0:
+            raise ValueError(f"remote_prefill_queue_max_tokens must be >= 0, "
+                             f"got {self.remote_prefill_queue_max_tokens}")
         if not self.remote_prefill_max_queue_ratio >= 0:  # rejects NaN too
             raise ValueError(f"remote_prefill_max_queue_ratio must be >= 0 (0 = off), got "
                              f"{self.remote_prefill_max_queue_ratio}")
@@ -109,6 +116,9 @@ class RouterConfig:
                      "conditional: prefill on the decode worker a prompt that would queue behind more than "
                      "this many times its length in prompt tokens on the least loaded prefill worker (0 = off)",
                      float)
+        cli.add_flag(p, "--remote-prefill-queue-max-tokens", "HANDOFF_REMOTE_PREFILL_QUEUE_MAX_TOKENS",
+                     RouterConfig.remote_prefill_queue_max_tokens,
+                     "conditional: the longest prompt the queue rule may send to the decode worker", int)
         cli.add_flag(p, "--routing", "HANDOFF_ROUTING", "cache_aware",
                      "prefill worker choice: cache_aware (the longest cached prompt prefix, unless that worker is "
                      "busier than the least loaded by more than --cache-balance) or least_loaded")

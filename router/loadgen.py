@@ -233,14 +233,16 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
 
 
 def same_as_disaggregated(mode, mix: str, args) -> bool:
-    """Conditional on a mix whose shortest prompt is above the threshold, with the queue rule off, is
-    disaggregated by definition; the full run leaves it out (about 3 minutes); asked for by name (--modes
-    and --mixes), it runs. Chat always runs: the conditional target is measured there."""
+    """Conditional on a mix whose shortest prompt is above the threshold, and too long for the queue rule
+    (or with the rule off), is disaggregated by definition; the full run leaves it out (about 3
+    minutes); asked for by name (--modes and --mixes), it runs. Chat always runs: the conditional
+    target is measured there."""
     if mode.prefill_mode != "conditional" or mix == "chat" or (args.modes_asked and args.mixes_asked):
         return False
-    if args.remote_prefill_max_queue_ratio:  # a queued prefill worker sends prompts to the decode worker
-        return False
-    return all(round(s.prompt_len * (1 - s.spread)) >= args.remote_prefill_min_tokens for s, _ in MIXES[mix])
+    shortest = min(round(s.prompt_len * (1 - s.spread)) for s, _ in MIXES[mix])
+    if args.remote_prefill_max_queue_ratio and shortest <= RouterConfig.remote_prefill_queue_max_tokens:
+        return False  # a queued prefill worker sends some of these prompts to the decode worker
+    return shortest >= args.remote_prefill_min_tokens
 
 
 def run_mode(mode, args, size: dict, base: Baseline | None, log_dir: Path, rates: dict) -> tuple[dict, Baseline]:

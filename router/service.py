@@ -299,7 +299,8 @@ class GenerateCall:
         """Prefill on the decode worker? Colocated: always. Conditional: when the prompt is too short for
         the KV transfer to pay, when the prefill queue would multiply its TTFT (more than
         remote_prefill_max_queue_ratio times its own length already queued on the least loaded prefill
-        worker: a short prompt behind a long document), or when no prefill worker is left to take it."""
+        worker, for a prompt of at most remote_prefill_queue_max_tokens: a short prompt behind a long
+        document), or when no prefill worker is left to take it."""
         cfg = self.r.config
         if cfg.prefill_mode != "conditional":
             return cfg.prefill_mode == "colocated"
@@ -309,7 +310,8 @@ class GenerateCall:
         backlog = await self.r.picker.prefill_backlog(exclude)
         if backlog is None:
             return True
-        return bool(cfg.remote_prefill_max_queue_ratio) and backlog > cfg.remote_prefill_max_queue_ratio * n
+        return (bool(cfg.remote_prefill_max_queue_ratio) and n <= cfg.remote_prefill_queue_max_tokens
+                and backlog > cfg.remote_prefill_max_queue_ratio * n)
 
     async def _relay_local(self, attempt: int, dw, deadline: float) -> FinishReason:
         """One colocated attempt: the decode worker prefills the prompt (replaying what a resumed request
