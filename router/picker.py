@@ -136,10 +136,6 @@ class WorkerPicker:
         return (f"no {role} worker is registered (none started, all down, or Redis was reset and they "
                 f"have not re-registered yet); retry shortly")
 
-    async def has_prefill(self, exclude: Excluded = frozenset()) -> bool:
-        """Whether a prefill worker this request may use is registered now (no waiting)."""
-        return bool(await self.blocking.run(self._live, "prefill", exclude))
-
     async def pick_prefill(self, deadline: float, exclude: Excluded = frozenset(),
                            prompt_ids: list[int] | None = None) -> tuple[WorkerInfo, int]:
         """A prefill worker and the prompt tokens its prefix cache holds. When none is left (the only one
@@ -200,11 +196,13 @@ class WorkerPicker:
         with self._lock:
             return min(self._prefill_tokens[w.worker_id] for w in workers)
 
-    def prefill_started(self, worker_id: str, num_tokens: int) -> None:
+    def queued_prefill(self, worker_id: str, num_tokens: int) -> "QueuedPrefill":
+        """Counts num_tokens in worker_id's prefill queue until the returned ticket is released."""
         with self._lock:
             self._prefill_tokens[worker_id] += num_tokens
+        return QueuedPrefill(self, worker_id, num_tokens)
 
-    def prefill_finished(self, worker_id: str, num_tokens: int) -> None:
+    def _dequeue_prefill(self, worker_id: str, num_tokens: int) -> None:
         with self._lock:
             self._prefill_tokens[worker_id] -= num_tokens
             if self._prefill_tokens[worker_id] <= 0:
@@ -215,3 +213,15 @@ class WorkerPicker:
             self._prefill_load[worker_id] -= 1
             if self._prefill_load[worker_id] <= 0:
                 del self._prefill_load[worker_id]
+
+
+class QueuedPrefill:
+    """One prompt's tokens in a router's count of a prefill worker's queue; release() is idempotent."""
+
+    def __init__(self, picker: WorkerPicker, worker_id: str, num_tokens: int):
+        self._picker, self._worker_id, self._num_tokens = picker, worker_id, num_tokens
+
+    def release(self) -> None:
+        if self._num_tokens:
+            self._picker._dequeue_prefill(self._worker_id, self._num_tokens)
+            self._num_tokens = 0

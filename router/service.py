@@ -289,10 +289,12 @@ class GenerateCall:
             return await self._relay_local(attempt, dw, deadline)
         pw, _ = await r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
         metrics.PLACEMENT.labels("remote").inc()
+        queued = r.picker.queued_prefill(pw.worker_id, len(req.prompt_ids))
         try:
             with r.channels.use(pw.address) as prefill_ch:
-                return await self._relay(attempt, pw, dw, prefill_ch, deadline)
+                return await self._relay(attempt, pw, dw, prefill_ch, deadline, queued)
         finally:
+            queued.release()
             r.picker.done_prefill(pw.worker_id)
 
     async def _prefill_here(self, exclude: Excluded) -> bool:
@@ -333,8 +335,10 @@ class GenerateCall:
             attempt=attempt, sampling=sampling, kv_wait_s=0 if prefill_here else r.config.kv_wait_s,
             prefill_here=prefill_here), deadline))
 
-    async def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.aio.Channel, deadline: float) -> FinishReason:
-        """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client.
+    async def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.aio.Channel, deadline: float,
+                     queued) -> FinishReason:
+        """One attempt's calls: prefill on pw, decode on dw, tokens relayed to the client. `queued` is the
+        prompt's place in this router's count of pw's prefill queue, released once it is prefilled.
 
         A resumed attempt (tokens already streamed) prefills the prompt alone; the decode worker
         recomputes the completion's K/V by decode steps, so the continuation is bit-identical."""
@@ -350,37 +354,29 @@ class GenerateCall:
                                              reservation_id=self.rid, attempt=attempt)),
             timeout=self._timeout(deadline)))
         prefill_fields = {}
-        # In this router's view of pw's prefill queue from now until the first token (a resumed attempt
-        # has none: until the push is done).
-        queued = len(req.prompt_ids)
-        r.picker.prefill_started(pw.worker_id, queued)
         try:
-            try:
-                if not resumed:
-                    first = await self._next(prefill_call, pw, deadline)
-                    r.picker.prefill_finished(pw.worker_id, queued)
-                    queued = 0
-                    if first is None or not first.HasField("first_token"):
-                        raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
-                    prefill_fields["cached_tokens"] = first.first_token.cached_tokens
-                    prefill_fields["prefill_s"] = round(first.first_token.prefill_s, 6)
-                    msg = self._push([first.first_token.token_id],
-                                     [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
-                    if msg is not None:
-                        await self._send(msg)
-                    if self.out.finish_reason is not None:
-                        return self.out.finish_reason
-                await self._record(RequestState.TRANSFERRING, **prefill_fields)
-            except BaseException:
-                # Ended (failed, cancelled, client gone) before its decode started: the push may still land,
-                # and nobody would claim it. The decode worker drops it, or refuses it if it comes later.
-                r.sessions.drop_kv(dw, self.rid, attempt)
-                raise
-            decode_call = self._start_decode(dw, attempt, deadline)
-            done = await self._next(prefill_call, pw, deadline)
-        finally:
-            if queued:
-                r.picker.prefill_finished(pw.worker_id, queued)
+            if not resumed:
+                first = await self._next(prefill_call, pw, deadline)
+                queued.release()  # prefilled: out of pw's queue
+                if first is None or not first.HasField("first_token"):
+                    raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "answered without a first token")
+                prefill_fields["cached_tokens"] = first.first_token.cached_tokens
+                prefill_fields["prefill_s"] = round(first.first_token.prefill_s, 6)
+                msg = self._push([first.first_token.token_id],
+                                 [first.first_token.logprob] if first.first_token.HasField("logprob") else ())
+                if msg is not None:
+                    await self._send(msg)
+                if self.out.finish_reason is not None:
+                    return self.out.finish_reason
+            await self._record(RequestState.TRANSFERRING, **prefill_fields)
+        except BaseException:
+            # Ended (failed, cancelled, client gone) before its decode started: the push may still land,
+            # and nobody would claim it. The decode worker drops it, or refuses it if it comes later.
+            r.sessions.drop_kv(dw, self.rid, attempt)
+            raise
+        decode_call = self._start_decode(dw, attempt, deadline)
+        done = await self._next(prefill_call, pw, deadline)
+        queued.release()  # a resumed attempt has no first token: its prefill ends with the push
         if done is None or not done.HasField("transfer_done"):
             raise _AttemptFailed("prefill", pw.worker_id, pw.epoch, "ended without pushing the KV")
         await self._record(RequestState.DECODING, kv_bytes=done.transfer_done.kv_bytes,

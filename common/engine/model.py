@@ -314,7 +314,8 @@ class Llama(torch.nn.Module):
         """Decode: fp32 hidden states [B, dim] → fp32 logits [B, V], each row independent of the others.
 
         The int8 head (int8 activations too, on the CPU) approximates every logit (within ~5 % of the
-        row's largest, 0.1 on average for SmolLM2); the REFINE_TOP best are then exact fp32, so greedy decoding is exact and sampling differs only in the tail.
+        row's largest, 0.1 on average for SmolLM2); the REFINE_TOP best are then exact fp32, so greedy
+        decoding is exact and sampling differs only in the tail.
         """
         return self._refine(self.lm_head_int8(hidden).float(), hidden)
 
