@@ -133,14 +133,22 @@ def test_bf16_logits_refine_the_top_candidates(smollm2_model, smollm2_tokenizer,
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
-@pytest.mark.parametrize("dtype,int4", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
-                         ids=["bf16+int4", "bf16", "fp32"])
-def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_tokenizer, dtype, int4):
+@pytest.mark.parametrize("dtype,int4,paged", [(torch.bfloat16, True, True), (torch.bfloat16, False, True),
+                                               (torch.float32, False, True), (torch.bfloat16, True, False)],
+                         ids=["bf16+int4", "bf16", "fp32", "bf16+int4-eager-attention"])
+def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_tokenizer, monkeypatch, dtype, int4,
+                                                          paged):
     """Invariant 4 at its root: the logits a decode row gives (and the K/V it writes) do not depend on
-    the batch's size or on the other rows' context lengths, which set the attention span. Contexts from
-    1 to ~600 tokens; batches from 1 to 40 rows, some of them rows of one sequence (replay)."""
+    the batch's size or on the other rows' context lengths (which set the eager path's attention span).
+    Contexts from 1 to ~600 tokens; batches from 1 to 13 rows, some of them rows of one sequence
+    (replay). With the native paged-attention kernel (the default where it builds) and with the eager
+    gather + SDPA path it falls back to."""
     from common.engine.runner import DecodeItem
     runner = make_runner(num_blocks=1024, dtype=dtype, int4_decode=int4)
+    if paged:
+        assert runner.model.paged_attention is not None, "the native kernel did not build: see the log"
+    else:
+        monkeypatch.setattr(runner.model, "paged_attention", None)
     pool = runner.cache.pool
     gen = torch.Generator().manual_seed(0)
     lens = [1, 5, 17, 63, 64, 65, 130, 333, 600]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common.engine import native
 from common.engine.config import ModelConfig
 from common.engine.weights import release_freed_pages
 
@@ -30,6 +31,12 @@ class AttnContext:
     context_slots: torch.Tensor | None = None  # decode: [B * S] KV slots of each row's context, padded to S
     attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend; a continued chunk: [T, end]
     use_int4: bool = False  # decode reads packed 4-bit weights: a quarter of the bytes
+    # decode with the native kernel (Llama.paged_attention) instead of context_slots and attn_mask: each
+    # row reads its own blocks in place, positions 0 .. lens[row]-1.
+    block_tables: torch.Tensor | None = None  # [B, blocks] int64
+    lens: torch.Tensor | None = None  # [B] int64
+    longest: int = 0
+    block_size: int = 0
 
 
 def rope_tables(config: ModelConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +194,11 @@ class Llama(torch.nn.Module):
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        # Decode attention over the paged cache in place (common/engine/native.py), where it builds and
+        # suits the dtype and shape; else the eager gather + SDPA of _decode_attention.
+        kernel = native.kernel() if self.device.type == "cpu" else None
+        self.paged_attention = kernel if kernel is not None and kernel.supports(
+            dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None
 
     @property
     def lm_head_exact(self) -> torch.Tensor:
@@ -286,6 +298,9 @@ class Llama(torch.nn.Module):
 
     def _decode_attention(self, q, layer_kv, ctx: AttnContext) -> torch.Tensor:
         c = self.config
+        if ctx.block_tables is not None:
+            return self.paged_attention(q, layer_kv, ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size,
+                                        c.head_dim ** -0.5)
         bsz = q.shape[0]
         # One gather of every sequence's context, K and V together: [B, S, 2, Hkv, D].
         ctx_kv = layer_kv.index_select(0, ctx.context_slots).view(bsz, -1, 2, c.num_kv_heads, c.head_dim)

@@ -116,31 +116,34 @@ class ModelRunner:
 
         A sequence may have several rows at consecutive positions (replayed tokens, then its newest):
         each layer writes every row's K/V before any row attends, so row p sees rows < p. Every row is
-        computed the same way whatever the other rows are (model.py, DENSE_ROW_BLOCK and
-        ATTN_SPAN_MULTIPLE), so replaying tokens reproduces the K/V their original steps wrote.
+        computed the same way whatever the other rows are (model.py: DENSE_ROW_BLOCK, and the native
+        attention kernel or ATTN_SPAN_MULTIPLE), so replaying tokens reproduces the K/V their original
+        steps wrote.
         """
         bs = self.cache.block_size
         pool = self.cache.pool
         tables = [pool.block_table(it.seq_id) for it in items]
         ctx_lens = [it.position + 1 for it in items]
-        span = -(-max(ctx_lens) // ATTN_SPAN_MULTIPLE) * ATTN_SPAN_MULTIPLE
-        max_blocks = -(-span // bs)
-        bt = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
-        # Slots of positions 0..span-1 of every row; past a row's own length they are masked (the mask
-        # is always there: SDPA without one takes another path, whose bits differ) and read the
-        # all-zero null slot, whatever the blocks there hold.
-        context_slots = (bt[:, :, None] * bs + self._offsets[:bs]).view(len(items), -1)[:, :span]
-        lens = self._tensor(ctx_lens)
-        attend = self._offsets[:span][None, :] < lens[:, None]  # [B, S]
-        context_slots = context_slots.masked_fill(~attend, self.cache.null_slot)
-        mask = attend[:, None, None, :]
         slots = [t[it.position // bs] * bs + it.position % bs for t, it in zip(tables, items)]
-        ctx = AttnContext(
-            slot_mapping=self._tensor(slots),
-            context_slots=context_slots.reshape(-1),
-            attn_mask=mask,
-            use_int4=self.model.has_int4 and self.int4_decode,
-        )
+        ctx = AttnContext(slot_mapping=self._tensor(slots), use_int4=self.model.has_int4 and self.int4_decode)
+        if self.model.paged_attention is not None:
+            # The kernel reads each row's own blocks, up to its own length: no padding, no mask.
+            width = -(-max(ctx_lens) // bs)
+            ctx.block_tables = self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
+            ctx.lens = self._tensor(ctx_lens)
+            ctx.longest, ctx.block_size = max(ctx_lens), bs
+        else:
+            span = -(-max(ctx_lens) // ATTN_SPAN_MULTIPLE) * ATTN_SPAN_MULTIPLE
+            max_blocks = -(-span // bs)
+            bt = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
+            # Slots of positions 0..span-1 of every row; past a row's own length they are masked (the mask
+            # is always there: SDPA without one takes another path, whose bits differ) and read the
+            # all-zero null slot, whatever the blocks there hold.
+            context_slots = (bt[:, :, None] * bs + self._offsets[:bs]).view(len(items), -1)[:, :span]
+            lens = self._tensor(ctx_lens)
+            attend = self._offsets[:span][None, :] < lens[:, None]  # [B, S]
+            ctx.context_slots = context_slots.masked_fill(~attend, self.cache.null_slot).reshape(-1)
+            ctx.attn_mask = attend[:, None, None, :]
         hidden = self.model(self._tensor([it.token_id for it in items]),
                             self._tensor([it.position for it in items]), ctx, self.cache.kv)
         rows = [i for i, it in enumerate(items) if it.sample]

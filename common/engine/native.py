@@ -1,0 +1,185 @@
+"""The engine's one native kernel: decode attention over the paged cache (paged_attention.c).
+
+Built on first use with the system's C compiler (`cc`, or $CC) for this CPU (-march=native) and kept
+in a cache folder keyed by the source, the flags and the CPU's feature flags, so a fleet of different
+hosts sharing a home folder never loads another machine's build. Plain C through ctypes: no torch
+headers, so the build takes about a second, and ctypes releases the GIL for the call, so two threads
+can each take half of a large batch.
+
+An image without a compiler ships a library built for any x86-64 with AVX2 (`python -m
+common.engine.native --portable OUT`, deploy/Dockerfile) and names it in HANDOFF_NATIVE_LIBRARY, which
+is then loaded as it is.
+
+Where no compiler is found, or HANDOFF_NATIVE_ATTENTION=0, `kernel()` returns None and the model uses
+its eager path (gather, widen, SDPA), which computes the same attention in other rounding: a worker's
+tokens are then self-consistent but not bit-identical to those of a worker with the kernel, the same
+way two CPU families differ (docs/operations.md).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from common.engine.hardware import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+# No -ffast-math: the kernel's sums must keep the order the source gives them (invariant 4).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared"]
+# For a library built on one machine and run on others (an image): AVX2 + FMA, which every host here has.
+PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLAGS]
+ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
+ENV_CACHE = "HANDOFF_NATIVE_CACHE"
+ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of building one
+# Below this much work ((row, KV head) items times the longest context) one thread does it all: handing
+# half to another thread cost more than the half at 32 rows of 150 tokens (1.15 against 0.77 ms), and
+# paid from 32 rows of 400 on (1.6 against 4.2 ms; 2 threads, this host).
+SPLIT_MIN_WORK = 32_768
+
+_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+         ctypes.c_int64, ctypes.c_int64]
+
+
+def cache_dir() -> Path:
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "handoff" / "native"
+
+
+def _build_key(compiler: str) -> str:
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(" ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu_flags())]).encode())
+    return h.hexdigest()[:16]
+
+
+def _compiler(compiler: str | None) -> str:
+    compiler = compiler or os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH (install gcc, or set CC)")
+    return compiler
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernel for this CPU (or find its earlier build); returns the shared library's path.
+
+    Raises RuntimeError saying what failed: no compiler, or the compiler's own message."""
+    compiler = _compiler(compiler)
+    target = cache_dir() / f"paged_attention-{_build_key(compiler)}.so"
+    if not target.exists():
+        _compile(compiler, FLAGS, target)
+    return target
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> None:
+    folder = target.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed: processes starting at once never load a half-written file.
+    fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed building {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class PagedAttention:
+    """Decode attention over the paged cache: each row's query against positions 0 .. len-1 of its blocks."""
+
+    FUNCTIONS = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: the GIL is released during each call
+        self._fns = {}
+        for dtype, name in self.FUNCTIONS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+            self._fns[dtype] = fn
+        self._pool: ThreadPoolExecutor | None = None
+
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (dtype in self._fns and head_dim % 16 == 0 and head_dim <= 256
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+
+    def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor,
+                 lens: torch.Tensor, longest: int, block_size: int, scale: float) -> torch.Tensor:
+        """q [B, H, D] (rows of any stride, heads and dims contiguous); layer_kv [slots, 2, Hkv, D]
+        contiguous; block_tables [B, blocks] and lens [B] int64 contiguous, every row's table covering its
+        length (`longest` is the largest). Returns [B, H, D]."""
+        rows, heads, dim = q.shape
+        kv_heads = layer_kv.shape[2]
+        if q.stride(2) != 1 or q.stride(1) != dim or not layer_kv.is_contiguous():
+            raise ValueError("paged attention: q needs contiguous heads and a contiguous layer cache")
+        out = torch.empty(rows, heads, dim, dtype=q.dtype)
+        fn = self._fns[q.dtype]
+        args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                lens.data_ptr(), block_size, heads, kv_heads, dim, scale, out.data_ptr())
+        items = rows * kv_heads
+        if torch.get_num_threads() > 1 and items > 1 and items * longest >= SPLIT_MIN_WORK:
+            # Two halves, one on a helper thread: which thread computes an item never changes its bits.
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-attention")
+            half = items // 2
+            other = self._pool.submit(fn, *args, half, items)
+            codes = [fn(*args, 0, half), other.result()]
+        else:
+            codes = [fn(*args, 0, items)]
+        if any(codes):
+            raise RuntimeError(f"paged attention kernel refused its arguments (code {codes}): "
+                               f"heads {heads}, kv heads {kv_heads}, head_dim {dim}")
+        return out
+
+
+@functools.cache
+def kernel() -> PagedAttention | None:
+    """This process's kernel, built on first call; None where it is switched off or cannot be built."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("decode attention: eager path (%s=0)", ENV_SWITCH)
+        return None
+    try:
+        prebuilt = os.environ.get(ENV_LIBRARY)
+        return PagedAttention(Path(prebuilt) if prebuilt else build())
+    except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError) as exc:
+        log.warning("decode attention: the native kernel is unavailable, using the eager path (gather + SDPA), "
+                    "slower at long contexts and large batches: %s", exc)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m common.engine.native", description=__doc__.split("\n")[0])
+    parser.add_argument("--portable", metavar="OUT", type=Path,
+                        help="build for any x86-64 with AVX2 into OUT (for an image; see HANDOFF_NATIVE_LIBRARY)")
+    args = parser.parse_args(argv)
+    if args.portable:
+        _compile(_compiler(None), PORTABLE_FLAGS, args.portable.resolve())
+        PagedAttention(args.portable.resolve())  # it loads and has every function
+        print(args.portable)
+    else:
+        print(build())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The native decode-attention kernel (common/engine/native.py, paged_attention.c) on its own.
+
+Against the eager path it replaces (gather, widen to fp32, SDPA with a mask), and for the property
+invariant 4 needs of it: a row's output is the same bits whatever the other rows, wherever its blocks
+lie in the cache, and however the rows are split between threads.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.engine import native
+
+BLOCK = 16
+HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2's shape
+
+
+def _kernel() -> native.PagedAttention:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the engine runs its eager attention path here")
+    k = native.kernel()
+    assert k is not None, "the kernel did not build although a compiler is there: see the log"
+    return k
+
+
+def _case(dtype, lens: list[int], seed: int = 0):
+    """A layer cache with every row's blocks scattered at random, and q as the view of a qkv row."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // BLOCK)
+    num_blocks = len(lens) * width + 3
+    kv = torch.randn(num_blocks * BLOCK + 1, 2, KV_HEADS, DIM, generator=gen).to(dtype)
+    kv[-1] = 0  # the null slot, as KVCache keeps it
+    order = torch.randperm(num_blocks, generator=gen)[:len(lens) * width].view(len(lens), width)
+    tables = order.contiguous()
+    qkv = torch.randn(len(lens), (HEADS + 2 * KV_HEADS) * DIM, generator=gen).to(dtype)
+    q = qkv[:, :HEADS * DIM].view(len(lens), HEADS, DIM)  # rows strided, as in the model
+    return q, kv, tables, torch.tensor(lens)
+
+
+def _eager(q, kv, tables, lens):
+    """The model's eager decode attention (model.py _decode_attention) on the same inputs."""
+    span = -(-int(lens.max()) // 64) * 64
+    null = kv.shape[0] - 1
+    slots = (tables[:, :, None] * BLOCK + torch.arange(BLOCK)).view(len(lens), -1)
+    if slots.shape[1] < span:
+        slots = torch.cat([slots, torch.full((len(lens), span - slots.shape[1]), null)], 1)
+    slots = slots[:, :span]
+    attend = torch.arange(span)[None, :] < lens[:, None]
+    slots = slots.masked_fill(~attend, null)
+    ctx = kv.index_select(0, slots.reshape(-1)).view(len(lens), span, 2, KV_HEADS, DIM)
+    kb = ctx[:, :, 0].transpose(1, 2).float()
+    vb = ctx[:, :, 1].transpose(1, 2).float()
+    o = F.scaled_dot_product_attention(q.unsqueeze(2).float(), kb, vb, attn_mask=attend[:, None, None, :],
+                                       enable_gqa=True)
+    return o.squeeze(2)
+
+
+def _run(k, q, kv, tables, lens):
+    return k(q, kv, tables, lens, int(lens.max()), BLOCK, DIM ** -0.5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_the_kernel_computes_what_the_eager_path_does(dtype, atol):
+    k = _kernel()
+    lens = [1, 2, 15, 16, 17, 64, 100, 333, 1030]
+    q, kv, tables, lens_t = _case(dtype, lens)
+    got = _run(k, q, kv, tables, lens_t)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = _eager(q, kv, tables, lens_t)
+    # fp32: both accumulate in fp32 (other orders); bf16: the output is rounded to bf16 (8 bits)
+    torch.testing.assert_close(got.float(), want, rtol=0 if dtype == torch.float32 else 1e-2, atol=atol)
+    # A context of one position is that position's V, exactly.
+    v0 = kv[tables[0, 0] * BLOCK, 1].float().repeat_interleave(HEADS // KV_HEADS, dim=0)
+    torch.testing.assert_close(got[0].float(), v0.to(dtype).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_row_is_the_same_bits_alone_in_a_batch_split_between_threads_and_moved(dtype, monkeypatch):
+    """Invariant 4 for the kernel: neither the other rows, nor the thread split, nor where the row's
+    blocks lie changes a bit of its output."""
+    k = _kernel()
+    lens = [5, 700, 64, 65, 1, 300, 129, 17] * 4  # 32 rows: a batch large enough to split
+    q, kv, tables, lens_t = _case(dtype, lens, seed=1)
+    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 1 << 62)
+    one_thread = _run(k, q, kv, tables, lens_t)
+    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 0)
+    split = _run(k, q, kv, tables, lens_t)
+    assert torch.get_num_threads() == 1 or k._pool is not None, "the split path did not run"
+    assert torch.equal(one_thread, split)
+    for row in (0, 1, 7, 31):
+        alone = _run(k, q[row:row + 1], kv, tables[row:row + 1], lens_t[row:row + 1])
+        assert torch.equal(alone[0], one_thread[row]), f"row {row} differs alone"
+    # Row 1's K/V copied into other blocks (its own, in reverse order): positions map to other slots.
+    row, used = 1, -(-lens[1] // BLOCK)
+    new_blocks = tables[row].flip(0)
+    moved_kv = kv.clone()
+    for b in range(used):
+        src, dst = int(tables[row, b]), int(new_blocks[b])
+        moved_kv[dst * BLOCK:(dst + 1) * BLOCK] = kv[src * BLOCK:(src + 1) * BLOCK]
+    moved = _run(k, q[row:row + 1], moved_kv, new_blocks[None, :].contiguous(), lens_t[row:row + 1])
+    assert torch.equal(moved[0], one_thread[row])
+
+
+def test_non_finite_values_outside_a_row_do_not_reach_it():
+    """Blocks a row does not own may hold anything (a previous owner's K/V, a rejected push): the
+    kernel reads positions 0 .. len-1 only."""
+    k = _kernel()
+    q, kv, tables, lens_t = _case(torch.bfloat16, [20, 40])
+    clean = _run(k, q, kv, tables, lens_t)
+    poisoned = kv.clone()
+    # Row 0's second block past position 19 and every block row 0 does not own.
+    owned = {int(tables[0, 0]), int(tables[0, 1])}
+    for b in range(poisoned.shape[0] // BLOCK):
+        if b not in owned:
+            poisoned[b * BLOCK:(b + 1) * BLOCK] = float("nan")
+    second = int(tables[0, 1])
+    poisoned[second * BLOCK + 4:(second + 1) * BLOCK] = float("inf")  # positions 20..31 of row 0
+    got = _run(k, q[:1], poisoned, tables[:1], lens_t[:1])
+    assert torch.equal(got[0], clean[0])
+
+
+def test_no_compiler_means_the_eager_path_and_a_warning_that_says_so(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-handoff")
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-handoff' on PATH"):
+        native.build()
+    native.kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="common.engine.native"):
+            assert native.kernel() is None
+        assert "eager path" in caplog.text and "install gcc, or set CC" in caplog.text
+    finally:
+        native.kernel.cache_clear()
+
+
+def test_a_compiler_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    bad = tmp_path / "paged_attention.c"
+    bad.write_text("int broken( {\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="failed building paged_attention.c: .*error"):
+        native.build()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".so"], "a failed build left a library"
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.kernel.cache_clear()
+    try:
+        assert native.kernel() is None
+    finally:
+        native.kernel.cache_clear()
+
+
+def test_builds_are_kept_per_cpu_and_source(monkeypatch, tmp_path):
+    """A second build finds the first; another CPU's flags (a shared home folder) get their own file."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    first = native.build()
+    mtime = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "another-host"}))
+    assert native.build() != first
+
+
+def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_path, monkeypatch):
+    """`python -m common.engine.native --portable OUT` (deploy/Dockerfile), loaded through
+    HANDOFF_NATIVE_LIBRARY as a compiler-less pod does."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    out = tmp_path / "paged_attention.so"
+    assert native.main(["--portable", str(out)]) == 0 and out.exists()
+    monkeypatch.setenv(native.ENV_LIBRARY, str(out))
+    monkeypatch.setenv("CC", "no-such-compiler-handoff")  # the pod has none: nothing may try to build
+    native.kernel.cache_clear()
+    try:
+        k = native.kernel()
+        assert k is not None and k.path == out
+        q, kv, tables, lens = _case(torch.float32, [3, 90, 400])
+        torch.testing.assert_close(_run(k, q, kv, tables, lens), _eager(q, kv, tables, lens), rtol=0, atol=1e-5)
+    finally:
+        native.kernel.cache_clear()
