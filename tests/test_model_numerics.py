@@ -146,9 +146,9 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
     from common.engine.runner import DecodeItem
     runner = make_runner(num_blocks=1024, dtype=dtype, int4_decode=int4)
     if paged:
-        assert runner.model.paged_attention is not None, "the native kernel did not build: see the log"
+        assert runner.model.kernels is not None, "the native kernels did not build: see the log"
     else:
-        monkeypatch.setattr(runner.model, "paged_attention", None)
+        monkeypatch.setattr(runner.model, "kernels", None)
     pool = runner.cache.pool
     gen = torch.Generator().manual_seed(0)
     lens = [1, 5, 17, 63, 64, 65, 130, 333, 600]

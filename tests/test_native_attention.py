@@ -1,4 +1,4 @@
-"""The native decode-attention kernel (common/engine/native.py, paged_attention.c) on its own.
+"""The native decode-attention kernel (common/engine/native.py, decode_kernels.c) on its own.
 
 Against the eager path it replaces (gather, widen to fp32, SDPA with a mask), and for the property
 invariant 4 needs of it: a row's output is the same bits whatever the other rows, wherever its blocks
@@ -19,7 +19,7 @@ BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2's shape
 
 
-def _kernel() -> native.PagedAttention:
+def _kernel() -> native.DecodeKernels:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler: the engine runs its eager attention path here")
     k = native.kernel()
@@ -60,7 +60,7 @@ def _eager(q, kv, tables, lens):
 
 
 def _run(k, q, kv, tables, lens):
-    return k(q, kv, tables, lens, int(lens.max()), BLOCK, DIM ** -0.5)
+    return k.attention(q, kv, tables, lens, int(lens.max()), BLOCK, DIM ** -0.5)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
@@ -140,11 +140,11 @@ def test_no_compiler_means_the_eager_path_and_a_warning_that_says_so(monkeypatch
 def test_a_compiler_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    bad = tmp_path / "paged_attention.c"
+    bad = tmp_path / "decode_kernels.c"
     bad.write_text("int broken( {\n")
     monkeypatch.setattr(native, "SOURCE", bad)
     monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "cache"))
-    with pytest.raises(RuntimeError, match="failed building paged_attention.c: .*error"):
+    with pytest.raises(RuntimeError, match="failed building decode_kernels.c: .*error"):
         native.build()
     assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".so"], "a failed build left a library"
 
@@ -175,7 +175,7 @@ def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_pat
     HANDOFF_NATIVE_LIBRARY as a compiler-less pod does."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    out = tmp_path / "paged_attention.so"
+    out = tmp_path / "decode_kernels.so"
     assert native.main(["--portable", str(out)]) == 0 and out.exists()
     monkeypatch.setenv(native.ENV_LIBRARY, str(out))
     monkeypatch.setenv("CC", "no-such-compiler-handoff")  # the pod has none: nothing may try to build

@@ -31,8 +31,8 @@ class AttnContext:
     context_slots: torch.Tensor | None = None  # decode: [B * S] KV slots of each row's context, padded to S
     attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend; a continued chunk: [T, end]
     use_int4: bool = False  # decode reads packed 4-bit weights: a quarter of the bytes
-    # decode with the native kernel (Llama.paged_attention) instead of context_slots and attn_mask: each
-    # row reads its own blocks in place, positions 0 .. lens[row]-1.
+    # decode with the native kernels (Llama.kernels) instead of context_slots and attn_mask: each row
+    # reads its own blocks in place, positions 0 .. lens[row]-1.
     block_tables: torch.Tensor | None = None  # [B, blocks] int64
     lens: torch.Tensor | None = None  # [B] int64
     longest: int = 0
@@ -194,11 +194,11 @@ class Llama(torch.nn.Module):
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        # Decode attention over the paged cache in place (common/engine/native.py), where it builds and
-        # suits the dtype and shape; else the eager gather + SDPA of _decode_attention.
-        kernel = native.kernel() if self.device.type == "cpu" else None
-        self.paged_attention = kernel if kernel is not None and kernel.supports(
-            dtype, c.num_heads, c.num_kv_heads, c.head_dim) else None
+        # Decode's native kernels (common/engine/native.py: attention over the paged cache in place, the
+        # row-wise ops fused), where they build and suit the dtype and shape; else decode runs torch ops.
+        kernels = native.kernel() if self.device.type == "cpu" else None
+        self.kernels = kernels if kernels is not None and kernels.supports(
+            dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) else None
 
     @property
     def lm_head_exact(self) -> torch.Tensor:
@@ -245,32 +245,58 @@ class Llama(torch.nn.Module):
         """input_ids, positions: [N]; kv: [layers, slots, 2, Hkv, D]. Returns fp32 hidden states [N, dim]."""
         c = self.config
         n = input_ids.shape[0]
+        # Decode with the native kernels fuses the row-wise ops around the matmuls; prefill and the eager
+        # decode path run them as torch ops. The same layer either way.
+        native_ops = self.kernels if ctx.block_tables is not None else None
         # The residual stream stays fp32 (adds promote for free); only matmul inputs are 16-bit.
         h = self.embed.index_select(0, input_ids).float()  # [N, dim]
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        if native_ops is None:
+            cos = self.cos.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
+            sin = self.sin.index_select(0, positions).unsqueeze(1)
+        delta = None  # the last sublayer's output, not yet added to h
         for i, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer["attn_norm"])
-            qkv = self._linear(x, layer, "wqkv", ctx)  # [N, (H + 2 Hkv) * D]
-            # Rotate q and k together, in place, so K and V sit side by side for one cache write.
-            qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
-            qk.copy_(self._rotate(qk, cos, sin))
-            q = qkv[:, :self.q_size].view(n, c.num_heads, c.head_dim)
-            new_kv = qkv[:, self.q_size:].view(n, 2, c.num_kv_heads, c.head_dim)
             layer_kv = kv[i]  # [slots, 2, Hkv, D]
-            layer_kv.index_copy_(0, ctx.slot_mapping, new_kv)
-            if ctx.prefill_lens is not None and ctx.prefill_start:
-                o = self._chunk_attention(q, layer_kv, ctx)
-            elif ctx.prefill_lens is not None:
-                o = self._prefill_attention(q, new_kv[:, 0], new_kv[:, 1], ctx.prefill_lens)
+            x = self._add_norm(h, delta, layer["attn_norm"], native_ops)
+            qkv = self._linear(x, layer, "wqkv", ctx)  # [N, (H + 2 Hkv) * D]
+            q = qkv[:, :self.q_size].view(n, c.num_heads, c.head_dim)
+            if native_ops is not None:
+                native_ops.rope_kv_write(qkv, self.cos, self.sin, positions, c.num_heads, c.num_kv_heads,
+                                         c.head_dim, layer_kv, ctx.slot_mapping)
+                o = native_ops.attention(q, layer_kv, ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size,
+                                         c.head_dim ** -0.5)
             else:
-                o = self._decode_attention(q, layer_kv, ctx)
-            h = h + self._linear(o.reshape(n, self.q_size), layer, "wo", ctx)
-            x = self._rms_norm(h, layer["mlp_norm"])
-            gate, up = self._linear(x, layer, "w13", ctx).chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, layer, "w2", ctx)
+                # Rotate q and k together, in place, so K and V sit side by side for one cache write.
+                qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+                qk.copy_(self._rotate(qk, cos, sin))
+                new_kv = qkv[:, self.q_size:].view(n, 2, c.num_kv_heads, c.head_dim)
+                layer_kv.index_copy_(0, ctx.slot_mapping, new_kv)
+                if ctx.prefill_lens is not None and ctx.prefill_start:
+                    o = self._chunk_attention(q, layer_kv, ctx)
+                elif ctx.prefill_lens is not None:
+                    o = self._prefill_attention(q, new_kv[:, 0], new_kv[:, 1], ctx.prefill_lens)
+                else:
+                    o = self._decode_attention(q, layer_kv, ctx)
+            x = self._add_norm(h, self._linear(o.reshape(n, self.q_size), layer, "wo", ctx), layer["mlp_norm"],
+                               native_ops)
+            gate_up = self._linear(x, layer, "w13", ctx)
+            if native_ops is not None:
+                act = native_ops.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = self._linear(act, layer, "w2", ctx)
+        h.add_(delta)
         # Kept in fp32: logits() refines the top candidates in full precision.
-        return F.rms_norm(h.float(), (c.hidden_size,), self.final_norm, c.rms_norm_eps)
+        return F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight_fp32: torch.Tensor,
+                  native_ops: native.DecodeKernels | None) -> torch.Tensor:
+        """h += delta (in place; None adds nothing), then RMSNorm(h) in the model's dtype."""
+        if native_ops is not None:
+            return native_ops.add_rms_norm(h, delta, weight_fp32, self.config.rms_norm_eps, self.dtype)
+        if delta is not None:
+            h.add_(delta)
+        return self._rms_norm(h, weight_fp32)
 
     def _prefill_attention(self, q, k, v, lens: list[int]) -> torch.Tensor:
         # Each prompt attends causally to itself only; a prompt's own K/V is at hand.
@@ -298,9 +324,6 @@ class Llama(torch.nn.Module):
 
     def _decode_attention(self, q, layer_kv, ctx: AttnContext) -> torch.Tensor:
         c = self.config
-        if ctx.block_tables is not None:
-            return self.paged_attention(q, layer_kv, ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size,
-                                        c.head_dim ** -0.5)
         bsz = q.shape[0]
         # One gather of every sequence's context, K and V together: [B, S, 2, Hkv, D].
         ctx_kv = layer_kv.index_select(0, ctx.context_slots).view(bsz, -1, 2, c.num_kv_heads, c.head_dim)

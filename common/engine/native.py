@@ -1,4 +1,5 @@
-"""The engine's one native kernel: decode attention over the paged cache (paged_attention.c).
+"""The decode step's native kernels (decode_kernels.c): attention over the paged cache, and the row-wise
+ops around the matmuls (residual add + RMSNorm, rotary + K/V write, SiLU * up), fused.
 
 Built on first use with the system's C compiler (`cc`, or $CC) for this CPU (-march=native) and kept
 in a cache folder keyed by the source, the flags and the CPU's feature flags, so a fleet of different
@@ -35,7 +36,7 @@ from common.engine.hardware import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCE = Path(__file__).with_name("decode_kernels.c")
 # No -ffast-math: the kernel's sums must keep the order the source gives them (invariant 4).
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared"]
 # For a library built on one machine and run on others (an image): AVX2 + FMA, which every host here has.
@@ -48,9 +49,14 @@ ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of 
 # paid from 32 rows of 400 on (1.6 against 4.2 ms; 2 threads, this host).
 SPLIT_MIN_WORK = 32_768
 
-_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-         ctypes.c_int64, ctypes.c_int64]
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # function (one per dtype suffix) -> argument types, as in decode_kernels.c
+    "decode_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, _I, _I],
+    "add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
+    "rope_kv_write": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
+    "silu_mul": [_P, _I, _I, _P],
+}
+SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def cache_dir() -> Path:
@@ -79,7 +85,7 @@ def build(compiler: str | None = None) -> Path:
 
     Raises RuntimeError saying what failed: no compiler, or the compiler's own message."""
     compiler = _compiler(compiler)
-    target = cache_dir() / f"paged_attention-{_build_key(compiler)}.so"
+    target = cache_dir() / f"decode_kernels-{_build_key(compiler)}.so"
     if not target.exists():
         _compile(compiler, FLAGS, target)
     return target
@@ -89,7 +95,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed: processes starting at once never load a half-written file.
-    fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".decode_kernels-", suffix=".so", dir=folder)
     os.close(fd)
     try:
         done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
@@ -102,27 +108,32 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
             os.unlink(tmp)
 
 
-class PagedAttention:
-    """Decode attention over the paged cache: each row's query against positions 0 .. len-1 of its blocks."""
-
-    FUNCTIONS = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+class DecodeKernels:
+    """The shared library's functions for one model's decode step, called on torch tensors' memory."""
 
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: the GIL is released during each call
-        self._fns = {}
-        for dtype, name in self.FUNCTIONS.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in SIGNATURES.items():
+            for dtype, suffix in SUFFIXES.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                self._fns[name, dtype] = fn
         self._pool: ThreadPoolExecutor | None = None
 
-    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (dtype in self._fns and head_dim % 16 == 0 and head_dim <= 256
+    @staticmethod
+    def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> bool:
+        return (dtype in SUFFIXES and head_dim % 16 == 0 and head_dim <= 256 and hidden_size % 16 == 0
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
 
-    def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor,
-                 lens: torch.Tensor, longest: int, block_size: int, scale: float) -> torch.Tensor:
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"native {what} refused its arguments (code {code})")
+
+    def attention(self, q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor,
+                  lens: torch.Tensor, longest: int, block_size: int, scale: float) -> torch.Tensor:
         """q [B, H, D] (rows of any stride, heads and dims contiguous); layer_kv [slots, 2, Hkv, D]
         contiguous; block_tables [B, blocks] and lens [B] int64 contiguous, every row's table covering its
         length (`longest` is the largest). Returns [B, H, D]."""
@@ -131,7 +142,7 @@ class PagedAttention:
         if q.stride(2) != 1 or q.stride(1) != dim or not layer_kv.is_contiguous():
             raise ValueError("paged attention: q needs contiguous heads and a contiguous layer cache")
         out = torch.empty(rows, heads, dim, dtype=q.dtype)
-        fn = self._fns[q.dtype]
+        fn = self._fns["decode_attention", q.dtype]
         args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                 lens.data_ptr(), block_size, heads, kv_heads, dim, scale, out.data_ptr())
         items = rows * kv_heads
@@ -141,27 +152,60 @@ class PagedAttention:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-attention")
             half = items // 2
             other = self._pool.submit(fn, *args, half, items)
-            codes = [fn(*args, 0, half), other.result()]
+            self._check(fn(*args, 0, half), "attention")
+            self._check(other.result(), "attention")
         else:
-            codes = [fn(*args, 0, items)]
-        if any(codes):
-            raise RuntimeError(f"paged attention kernel refused its arguments (code {codes}): "
-                               f"heads {heads}, kv heads {kv_heads}, head_dim {dim}")
+            self._check(fn(*args, 0, items), "attention")
+        return out
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """h [rows, dim] fp32 contiguous += delta (dtype, contiguous; None adds nothing), in place; returns
+        RMSNorm(h) * weight (fp32 [dim]) in dtype."""
+        rows, dim = h.shape
+        if not (h.is_contiguous() and h.dtype == torch.float32) or (
+                delta is not None and not (delta.is_contiguous() and delta.dtype == dtype and delta.shape == h.shape)):
+            raise ValueError("add_rms_norm: h must be contiguous fp32 and delta contiguous, of h's shape, in dtype")
+        out = torch.empty(rows, dim, dtype=dtype)
+        self._check(self._fns["add_rms_norm", dtype](
+            h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), rows, dim, eps,
+            out.data_ptr()), "add_rms_norm")
+        return out
+
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      heads: int, kv_heads: int, dim: int, layer_kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotates qkv's q and k heads in place (cos/sin: [positions, dim] tables, qkv's dtype) and copies
+        each row's K and V into layer_kv [slots, 2, Hkv, D] at slots[row]."""
+        if not (qkv.is_contiguous() and layer_kv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+                and qkv.dtype == layer_kv.dtype == cos.dtype == sin.dtype and qkv.shape[1] == (heads + 2 * kv_heads) * dim):
+            raise ValueError("rope_kv_write: qkv, the cache and the tables must be contiguous, of one dtype")
+        self._check(self._fns["rope_kv_write", qkv.dtype](
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), qkv.shape[0], heads, kv_heads,
+            dim, layer_kv.data_ptr(), slots.data_ptr()), "rope_kv_write")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 F] contiguous → silu(gate) * up [rows, F]."""
+        if not gate_up.is_contiguous():
+            raise ValueError("silu_mul: gate_up must be contiguous")
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self._check(self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, width, out.data_ptr()),
+                    "silu_mul")
         return out
 
 
 @functools.cache
-def kernel() -> PagedAttention | None:
-    """This process's kernel, built on first call; None where it is switched off or cannot be built."""
+def kernel() -> DecodeKernels | None:
+    """This process's kernels, built on first call; None where it is switched off or cannot be built."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        log.info("decode attention: eager path (%s=0)", ENV_SWITCH)
+        log.info("decode: eager path (%s=0)", ENV_SWITCH)
         return None
     try:
         prebuilt = os.environ.get(ENV_LIBRARY)
-        return PagedAttention(Path(prebuilt) if prebuilt else build())
+        return DecodeKernels(Path(prebuilt) if prebuilt else build())
     except (RuntimeError, OSError, AttributeError, subprocess.SubprocessError) as exc:
-        log.warning("decode attention: the native kernel is unavailable, using the eager path (gather + SDPA), "
-                    "slower at long contexts and large batches: %s", exc)
+        log.warning("decode: the native kernels are unavailable, using the eager path (torch ops, gather + SDPA), "
+                    "slower at every batch size: %s", exc)
         return None
 
 
@@ -174,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.portable:
         _compile(_compiler(None), PORTABLE_FLAGS, args.portable.resolve())
-        PagedAttention(args.portable.resolve())  # it loads and has every function
+        DecodeKernels(args.portable.resolve())  # it loads and has every function
         print(args.portable)
     else:
         print(build())

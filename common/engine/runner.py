@@ -117,7 +117,7 @@ class ModelRunner:
         A sequence may have several rows at consecutive positions (replayed tokens, then its newest):
         each layer writes every row's K/V before any row attends, so row p sees rows < p. Every row is
         computed the same way whatever the other rows are (model.py: DENSE_ROW_BLOCK, and the native
-        attention kernel or ATTN_SPAN_MULTIPLE), so replaying tokens reproduces the K/V their original
+        attention kernels or ATTN_SPAN_MULTIPLE), so replaying tokens reproduces the K/V their original
         steps wrote.
         """
         bs = self.cache.block_size
@@ -126,7 +126,7 @@ class ModelRunner:
         ctx_lens = [it.position + 1 for it in items]
         slots = [t[it.position // bs] * bs + it.position % bs for t, it in zip(tables, items)]
         ctx = AttnContext(slot_mapping=self._tensor(slots), use_int4=self.model.has_int4 and self.int4_decode)
-        if self.model.paged_attention is not None:
+        if self.model.kernels is not None:
             # The kernel reads each row's own blocks, up to its own length: no padding, no mask.
             width = -(-max(ctx_lens) // bs)
             ctx.block_tables = self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
