@@ -110,6 +110,10 @@ class ModelRunner:
         hidden = self.model(self._tensor(it.token_ids), self._offsets[start:end], ctx, self.cache.kv)
         return hidden[-1:]
 
+    def _block_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """[rows, width] int64: each table's first `width` blocks, padded with block 0 (never read)."""
+        return self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
+
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
         """One row per item (blocks already grown to hold `position`); returns logits [R, V] of the
         items with `sample`, in order.
@@ -128,14 +132,13 @@ class ModelRunner:
         ctx = AttnContext(slot_mapping=self._tensor(slots), use_int4=self.model.has_int4 and self.int4_decode)
         if self.model.kernels is not None:
             # The kernel reads each row's own blocks, up to its own length: no padding, no mask.
-            width = -(-max(ctx_lens) // bs)
-            ctx.block_tables = self._tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables])
+            ctx.block_tables = self._block_tables(tables, -(-max(ctx_lens) // bs))
             ctx.lens = self._tensor(ctx_lens)
             ctx.longest, ctx.block_size = max(ctx_lens), bs
         else:
             span = -(-max(ctx_lens) // ATTN_SPAN_MULTIPLE) * ATTN_SPAN_MULTIPLE
             max_blocks = -(-span // bs)
-            bt = self._tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
+            bt = self._block_tables(tables, max_blocks)
             # Slots of positions 0..span-1 of every row; past a row's own length they are masked (the mask
             # is always there: SDPA without one takes another path, whose bits differ) and read the
             # all-zero null slot, whatever the blocks there hold.
