@@ -75,28 +75,33 @@ def dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Int8Linear:
     """A weight as int8 codes with one scale per output row: the decode LM head, half a 16-bit head's bytes.
 
-    On the CPU the activations are quantized too, each row to two int8 digits with its own scale, and
-    the product is integer (`torch._int_mm`, int32 accumulation). Integer sums are exact, so a row's
-    result cannot depend on how the kernel blocks or splits the batch (invariant 4), and the head runs
-    at a GEMM's speed at any row count: 8.8 against 22.9 ms for 32 rows of SmolLM2's 49,152 x 576 head
-    with torch's weight-only int8 kernel (bf16 in), 1.7 against 2.4 ms for one row (2 threads, this
-    host, one run). The logits are approximate either way: the best REFINE_TOP of each row are then
-    recomputed in fp32.
+    With the native kernels (decode_matmul.c) the codes are widened to fp32 on the fly and multiplied
+    with the fp32 activations, each row's sums in a fixed order, so a row's logits never depend on the
+    batch (invariant 4). Without them, on the CPU, the activations are quantized too, each row to two
+    int8 digits with its own scale, and the product is integer (`torch._int_mm`, int32 accumulation):
+    integer sums are exact, so no blocking of the batch changes a row either. The logits are approximate
+    either way: the best REFINE_TOP of each row are then recomputed in fp32.
     """
 
-    def __init__(self, weight: torch.Tensor, device):
+    def __init__(self, weight: torch.Tensor, device, kernels: native.DecodeKernels | None = None):
         w = weight.to(device=device, dtype=torch.float32)
         # max |w| per row without a full-size |w| temporary (the LM head is the largest weight)
         scales = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).clamp_min(1e-12) / 127.0  # [out]
         codes = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        self.integer = codes.device.type == "cpu"
-        # _int_mm wants [in, out]; contiguous, it ran 1.70 against 2.06 ms for two rows (a transposed view)
-        self.codes = codes.t().contiguous() if self.integer else codes.contiguous()
+        self.out_features = codes.shape[0]
+        self.kernels = kernels if codes.device.type == "cpu" else None
+        self.integer = self.kernels is None and codes.device.type == "cpu"
         self.scales_fp32 = scales
+        if self.kernels is not None:
+            self.codes, self.scales_fp32 = native.pack_q8(codes, scales)
+        else:  # _int_mm wants [in, out]; contiguous, it ran 1.70 against 2.06 ms for two rows (a transposed view)
+            self.codes = codes.t().contiguous() if self.integer else codes.contiguous()
         self.scales = scales.to(torch.bfloat16)  # the weight-only kernel's (off the CPU)
         self.nbytes = self.codes.numel() + self.scales.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.q8_matmul(x, self.codes, self.scales_fp32, self.out_features)
         if not self.integer:
             return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
         # Each row in two int8 digits, x ~ hi * s + lo * s / 254 (about 15 bits). With one digit the
@@ -114,20 +119,37 @@ class Int8Linear:
 
 
 class Int4Linear:
-    """A weight packed for torch's CPU int4 kernel: 4-bit codes, bf16 scales and zeros per 32 inputs."""
+    """A weight in the model file's 4-bit blocks: w = q * d + m per 32 inputs (GGUF Q4_0 / Q4_1).
 
-    def __init__(self, parts: list, device):
-        codes = torch.from_numpy(np.concatenate([p.codes for p in parts])).to(torch.int32)
-        scales = torch.from_numpy(np.concatenate([p.scales for p in parts]))
-        zeros = torch.from_numpy(np.concatenate([p.zeros for p in parts]))
+    With the native kernels (decode_matmul.c) it stays in the file's layout, fp16 d and m exact, and the
+    product takes the activations in fp32: the same weights as the dense path, dequantized per block on
+    the fly, every row's sums in a fixed order. Without them it is packed for torch's CPU int4 kernel
+    (bf16 activations, bf16 scales and zeros), which is also row-invariant but rounds more, and at 8-32
+    rows was 10-20x slower here (an AVX2 host).
+    """
+
+    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None):
+        codes = np.concatenate([p.codes for p in parts])  # [out, in] 0..15
+        scales = np.concatenate([p.scales for p in parts])
+        mins = np.concatenate([p.mins for p in parts])
         self.group = parts[0].GROUP
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(device), 2)
+        self.kernels = kernels
+        self.out_features = codes.shape[0]
+        if kernels is not None:
+            self.packed = native.pack_q4(codes, scales, mins)  # the file's codes and fp16 scales, exactly
+            self.nbytes = self.packed.numel()
+            return
+        zeros = mins + 8 * scales
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.from_numpy(codes).to(device=device, dtype=torch.int32), 2)
         # [in / group, out, 2]: the layout the kernel wants.
-        self.scales_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(
-            device=device, dtype=torch.bfloat16)
+        self.scales_zeros = torch.stack([torch.from_numpy(scales), torch.from_numpy(zeros)], -1).transpose(
+            0, 1).contiguous().to(device=device, dtype=torch.bfloat16)
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.q4_matmul(x, self.packed, self.out_features)
         if x.dtype != torch.bfloat16:  # an fp32 model: the kernel's fast path is bf16 in, bf16 out
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros).to(x.dtype)
@@ -156,10 +178,17 @@ class Llama(torch.nn.Module):
         def w32(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
+        # Decode's native kernels (common/engine/native.py: attention over the paged cache in place, the
+        # row-wise ops fused, the packed-weight matmuls), where they build and suit the dtype and shape;
+        # else decode runs torch ops.
+        kernels = native.kernel() if self.device.type == "cpu" else None
+        self.kernels = kernels if kernels is not None and kernels.supports(
+            dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) else None
+
         def w4(*names: str) -> Int4Linear | None:
             if not self.has_int4 or any(n not in int4 for n in names):
                 return None
-            return Int4Linear([int4[n] for n in names], device)
+            return Int4Linear([int4[n] for n in names], device, self.kernels)
 
         self.embed = w("model.embed_tokens.weight")  # [V, dim]
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
@@ -168,7 +197,7 @@ class Llama(torch.nn.Module):
         self.lm_head_fp32 = None if dtype == torch.float32 else head_fp32
         # Decode's LM head: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
         # REFINE_TOP logits of every row are then recomputed exactly in fp32.
-        self.lm_head_int8 = Int8Linear(head_fp32, device)
+        self.lm_head_int8 = Int8Linear(head_fp32, device, self.kernels)
         del head_fp32
         release_freed_pages()
         self.final_norm = w32("model.norm.weight")
@@ -194,11 +223,6 @@ class Llama(torch.nn.Module):
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        # Decode's native kernels (common/engine/native.py: attention over the paged cache in place, the
-        # row-wise ops fused), where they build and suit the dtype and shape; else decode runs torch ops.
-        kernels = native.kernel() if self.device.type == "cpu" else None
-        self.kernels = kernels if kernels is not None and kernels.supports(
-            dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) else None
 
     @property
     def lm_head_exact(self) -> torch.Tensor:

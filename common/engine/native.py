@@ -1,5 +1,6 @@
-"""The decode step's native kernels (decode_kernels.c): attention over the paged cache, and the row-wise
-ops around the matmuls (residual add + RMSNorm, rotary + K/V write, SiLU * up), fused.
+"""The decode step's native kernels: attention over the paged cache, and the row-wise ops around the
+matmuls (residual add + RMSNorm, rotary + K/V write, SiLU * up), fused (decode_kernels.c); the weight
+matmuls themselves, on the model file's packed 4-bit blocks and the int8 LM head (decode_matmul.c).
 
 Built on first use with the system's C compiler (`cc`, or $CC) for this CPU (-march=native) and kept
 in a cache folder keyed by the source, the flags and the CPU's feature flags, so a fleet of different
@@ -19,6 +20,7 @@ way two CPU families differ (docs/operations.md).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
@@ -30,6 +32,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.engine.hardware import cpu_flags
@@ -37,8 +40,10 @@ from common.engine.hardware import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
+MATMUL_SOURCE = Path(__file__).with_name("decode_matmul.c")
 # No -ffast-math: the kernel's sums must keep the order the source gives them (invariant 4).
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared"]
+# -fopenmp: the matmuls run on an OpenMP team, linked against the libgomp torch loaded (decode_matmul.c).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
 # For a library built on one machine and run on others (an image): AVX2 + FMA, which every host here has.
 PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLAGS]
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
@@ -57,6 +62,44 @@ SIGNATURES = {  # function (one per dtype suffix) -> argument types, as in decod
     "silu_mul": [_P, _I, _I, _P],
 }
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# decode_matmul.c: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is
+# bf16, y's row stride, threads
+MATMUL_ARGS = {"q4_matmul": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
+               "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
+QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleaved: one stream per tile
+GROUP = 32
+
+
+def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> torch.Tensor:
+    """GGUF Q4 weights (codes [out, in] in 0..15; scales and mins [out, in / 32], fp16-exact values) →
+    decode_matmul.c's layout: [quads, in / 32, 80] bytes, per block the four outputs' 16 code bytes (input j
+    in byte j's low nibble, j + 16 in its high one), their four fp16 d, their four fp16 m."""
+    out_features, in_features = codes.shape
+    pad = -out_features % QUAD
+    blocks = in_features // GROUP
+
+    def quads(a: np.ndarray) -> np.ndarray:  # [out, blocks, ...] → [quads, blocks, 4, ...]
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+        return a.reshape(-1, QUAD, blocks, *a.shape[2:]).swapaxes(1, 2)
+
+    c = codes.reshape(out_features, blocks, 2, GROUP // 2)
+    qs = quads((c[:, :, 0] | (c[:, :, 1] << 4)).astype(np.uint8))  # [quads, blocks, 4, 16]
+    d = np.ascontiguousarray(quads(scales.astype(np.float16))).view(np.uint8)  # [quads, blocks, 8]
+    m = np.ascontiguousarray(quads(mins.astype(np.float16))).view(np.uint8)
+    n = qs.shape[0]
+    return torch.from_numpy(np.concatenate([qs.reshape(n, blocks, 64), d, m], axis=-1))
+
+
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [out, in] with scales [out] → decode_matmul.c's layout: codes [quads, in / 32, 4, 32],
+    scales padded to [quads * 4]."""
+    out_features, in_features = codes.shape
+    pad = -out_features % QUAD
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, in_features)])
+        scales = torch.cat([scales, scales.new_zeros(pad)])
+    packed = codes.view(-1, QUAD, in_features // GROUP, GROUP).transpose(1, 2).contiguous()
+    return packed, scales.contiguous()
 
 
 def cache_dir() -> Path:
@@ -68,7 +111,8 @@ def cache_dir() -> Path:
 
 def _build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for source in (SOURCE, MATMUL_SOURCE):
+        h.update(source.read_bytes())
     h.update(" ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu_flags())]).encode())
     return h.hexdigest()[:16]
 
@@ -98,7 +142,8 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".decode_kernels-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        done = subprocess.run([compiler, *flags, str(SOURCE), str(MATMUL_SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True,
                               text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed building {SOURCE.name}: {done.stderr.strip()[-2000:]}")
@@ -120,6 +165,11 @@ class DecodeKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._fns[name, dtype] = fn
+        self._matmuls = {}
+        for name, argtypes in MATMUL_ARGS.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            self._matmuls[name] = fn
         self._pool: ThreadPoolExecutor | None = None
 
     @staticmethod
@@ -129,6 +179,8 @@ class DecodeKernels:
 
     @staticmethod
     def _check(code: int, what: str) -> None:
+        if code == -errno.ENOMEM:
+            raise MemoryError(f"native {what}: out of memory")
         if code:
             raise RuntimeError(f"native {what} refused its arguments (code {code})")
 
@@ -182,6 +234,28 @@ class DecodeKernels:
         self._check(self._fns["rope_kv_write", qkv.dtype](
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), qkv.shape[0], heads, kv_heads,
             dim, layer_kv.data_ptr(), slots.data_ptr()), "rope_kv_write")
+
+    def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
+        blocks as `pack_q4` lays them out."""
+        return self._matmul("q4_matmul", x, (packed,), out_features, x.dtype)
+
+    def q8_matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [rows, in] (fp32 or bf16) @ (codes * scale[:, None])^T → fp32 [rows, out], as `pack_q8` lays
+        them out."""
+        return self._matmul("q8_matmul", x, (packed, scales), out_features, torch.float32)
+
+    def _matmul(self, name: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...], out_features: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        rows, in_features = x.shape
+        if x.dtype not in SUFFIXES or x.stride(1) != 1 or not all(t.is_contiguous() for t in weight):
+            raise ValueError(f"{name}: x must be fp32 or bf16 with contiguous rows, the weight contiguous")
+        y = torch.empty(rows, out_features, dtype=out_dtype)
+        self._check(self._matmuls[name](
+            x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), rows, *(t.data_ptr() for t in weight),
+            out_features, in_features, y.data_ptr(), out_dtype == torch.bfloat16, out_features,
+            torch.get_num_threads()), name)
+        return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 F] contiguous → silu(gate) * up [rows, F]."""

@@ -59,13 +59,20 @@ class LoadedWeights:
 
 @dataclass
 class Int4Weight:
-    """w = (codes - 8) * scales + zeros, per group of 32 along the input dimension."""
+    """w = codes * scales + mins, per group of 32 along the input dimension (GGUF Q4_1; Q4_0 has mins = -8 scales).
+
+    scales and mins hold the file's fp16 values exactly."""
 
     codes: np.ndarray  # [out, in] uint8 in 0..15
     scales: np.ndarray  # [out, in / 32] float32
-    zeros: np.ndarray  # [out, in / 32] float32
+    mins: np.ndarray  # [out, in / 32] float32
 
     GROUP = 32
+
+    @property
+    def zeros(self) -> np.ndarray:
+        """The same weight as (codes - 8) * scales + zeros, the form torch's int4 kernel takes."""
+        return self.mins + 8 * self.scales
 
 
 def load_weights(name_or_path: str | Path, progress: bool = True) -> LoadedWeights:
@@ -115,18 +122,17 @@ def _int4_from_gguf(t, num_heads: int | None) -> Int4Weight | None:
     block_bytes = 18 if qtype == "Q4_0" else 20
     blocks = raw.reshape(rows, -1, block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if qtype == "Q4_0":  # x = (q - 8) * d
-        zeros, qs = np.zeros_like(d), blocks[..., 2:]
-    else:  # x = q * d + m = (q - 8) * d + (m + 8 d)
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros, qs = m + 8 * d, blocks[..., 4:]
+    if qtype == "Q4_0":  # x = (q - 8) * d = q * d + (-8 d)
+        m, qs = -8 * d, blocks[..., 2:]
+    else:  # x = q * d + m
+        m, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blocks[..., 4:]
     # Low nibbles hold the block's first 16 values, high nibbles the next 16.
     codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, -1)
     if num_heads is not None:
         codes = _undo_llama_cpp_permute(codes, num_heads)
         d = _undo_llama_cpp_permute(d, num_heads)
-        zeros = _undo_llama_cpp_permute(zeros, num_heads)
-    return Int4Weight(np.ascontiguousarray(codes), np.ascontiguousarray(d), np.ascontiguousarray(zeros))
+        m = _undo_llama_cpp_permute(m, num_heads)
+    return Int4Weight(np.ascontiguousarray(codes), np.ascontiguousarray(d), np.ascontiguousarray(m))
 
 
 def gguf_config(reader, path: Path) -> ModelConfig:

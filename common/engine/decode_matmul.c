@@ -1,0 +1,372 @@
+/* Decode's weight matmuls (common/engine/native.py): y = x @ W^T for a few activation rows, W kept packed
+ * with the model file's codes.
+ *
+ *   q4:  GGUF Q4_0 / Q4_1 blocks of 32 inputs, w = q * d + m (q in 0..15; d, m fp16, exact from the file).
+ *   q8:  the LM head, w = code * scale[o] (code int8, scale fp32).
+ *
+ * Layout: outputs in quads (4 consecutive outputs; the last quad padded with zero weights), a quad's
+ * blocks interleaved, so that the 4 outputs a tile computes together are one sequential stream (4
+ * separate row streams ran at a third of the speed: a 1-row LM head took 7.0 against 3.5 ms on one core):
+ *   q4:  [quads, in / 32, 80] bytes: per block the 4 outputs' 16 code bytes (byte j: input j in the low
+ *        nibble, j + 16 in the high one, as GGUF stores them), then 4 fp16 d, then 4 fp16 m;
+ *   q8:  [quads, in / 32, 4, 32] int8 codes, and scale [quads * 4] fp32.
+ *
+ * The products are integer, as llama.cpp's are: each activation row is quantized per block of 32 inputs
+ * to 16-bit integers (x ~ xq * sx, |xq| <= 32767: 15 bits of the block's largest value, where bf16 keeps
+ * 8 of each element), multiplied with the weights' integer codes by vpmaddwd and summed exactly in int32;
+ * only then is a block's sum scaled (d * sx) and accumulated in fp32. Q4_1's offset m enters through the
+ * block's exact fp32 sum of x: sum_b m_b * sum(x_b). Why not torch's int4 kernel: it takes bf16
+ * activations, rounds the file's fp16 scales to bf16, and costs ~12x one row's time at 32 rows; its int8
+ * counterpart (torch._int_mm) has no fast path on AVX2-only hosts.
+ *
+ * Invariant 4 (a row's result never depends on the other rows): a row is quantized alone, and every
+ * (row, output) pair runs the same operations in the same order whatever the batch, the tiling or the
+ * thread: per block an exact integer sum into 8 lanes (lane l: inputs 2l, 2l + 1, 16 + 2l, 17 + 2l),
+ * then one fused multiply-add per lane, blocks in order; then a fixed tree over the lanes, and the
+ * offset term's blocks in order. The AVX2 path and the portable C path compute the same bits; built
+ * without -ffast-math so the compiler keeps that order.
+ *
+ * Threads: the outputs' quads are split between the threads of an OpenMP team, torch's (see run()).
+ */
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define MATMUL_AVX2 1
+#endif
+
+#define GROUP 32
+#define QUAD 4
+#define Q4_RECORD 80 /* bytes of one block of a quad: 4 x 16 codes, 4 d, 4 m */
+#define Q8_RECORD 128
+#define XQ_MAX 32767.0f
+#define SPLIT_QUADS 2  /* quads are split between threads in multiples of this */
+
+enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1 };
+
+typedef struct {
+    int format;
+    const uint8_t *packed; /* the layout above */
+    const float *scale;    /* q8: [quads * 4] */
+    int64_t out, in;       /* out: the real outputs (the last quad may hold fewer) */
+} weight_t;
+
+typedef struct {
+    weight_t w;
+    const int16_t *xq; /* [rows, in]: x / sx, rounded */
+    const float *sx;   /* [rows, in / 32] */
+    const float *sumx; /* [rows, in / 32]: the exact fp32 sum of each block of x */
+    int64_t rows;
+    void *y;           /* [rows, y_stride] of fp32 or bf16 */
+    int64_t y_stride;
+    int y_bf16;
+} job_t;
+
+/* ------------------------------------------------------------------------------------- conversions */
+
+static inline float half_to_float(uint16_t h) { /* exact, subnormals included */
+#ifdef MATMUL_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112u) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal: man * 2^-24 */
+        int e = -1;
+        uint32_t m = man;
+        do { m <<= 1; e++; } while (!(m & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One row of x, [in] fp32 or bf16 -> xq, and per block sx and sum(x). Each row alone: its quantization
+ * never depends on the other rows. */
+static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, float *sx, float *sumx) {
+    for (int64_t b = 0; b < in / GROUP; b++) {
+        float v[GROUP], amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < GROUP; i++) {
+            const int64_t k = b * GROUP + i;
+            v[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            const float a = fabsf(v[i]);
+            if (a > amax) amax = a;
+            sum += v[i];
+        }
+        /* A NaN or an infinity in the block makes its scale NaN, so that every output it reaches is NaN,
+         * as a float product's would be, instead of a quantized zero hiding it. */
+        const float s = isfinite(sum) ? amax / XQ_MAX : NAN;
+        sx[b] = s;
+        sumx[b] = sum;
+        for (int i = 0; i < GROUP; i++) {
+            const float q = s > 0.0f ? rintf(v[i] / s) : 0.0f; /* rintf: to nearest even */
+            xq[b * GROUP + i] = (int16_t)(q > XQ_MAX ? XQ_MAX : q < -XQ_MAX ? -XQ_MAX : q == q ? q : 0.0f);
+        }
+    }
+}
+
+static inline float sum8(const float *l) { /* a fixed tree over the 8 lanes */
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+static inline int64_t quads(const weight_t *w) { return (w->out + QUAD - 1) / QUAD; }
+
+static inline const uint8_t *record(const weight_t *w, int64_t quad, int64_t b) {
+    const int64_t size = w->format == FORMAT_Q4 ? Q4_RECORD : Q8_RECORD;
+    return w->packed + (quad * (w->in / GROUP) + b) * size;
+}
+
+/* q4's offset term of the 4 outputs of a quad for one row: sum over blocks, in order, of m * sum(x). */
+static void offsets(const job_t *j, int64_t row, int64_t quad, float out[QUAD]) {
+    const int64_t blocks = j->w.in / GROUP;
+    const float *sumx = j->sumx + row * blocks;
+    const uint8_t *rec = record(&j->w, quad, 0);
+#ifdef MATMUL_AVX2
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD)
+        acc = _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 72))), _mm_set1_ps(sumx[b]), acc);
+    _mm_storeu_ps(out, acc);
+#else
+    for (int t = 0; t < QUAD; t++) out[t] = 0.0f;
+    for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD)
+        for (int t = 0; t < QUAD; t++) {
+            uint16_t m;
+            memcpy(&m, rec + 72 + 2 * t, sizeof m);
+            out[t] = fmaf(half_to_float(m), sumx[b], out[t]);
+        }
+#endif
+}
+
+/* Row `row`'s 4 outputs of a quad, from their 8 lanes each: the lanes' fixed tree, then q4's offset
+ * term or q8's output scale. */
+static void store(const job_t *j, int64_t row, int64_t quad, const float lanes[QUAD][8]) {
+    float offset[QUAD] = {0};
+    if (j->w.format == FORMAT_Q4) offsets(j, row, quad, offset);
+    for (int t = 0; t < QUAD; t++) {
+        const int64_t o = quad * QUAD + t;
+        if (o >= j->w.out) return; /* the last quad's padding */
+        float v = sum8(lanes[t]);
+        if (j->w.format == FORMAT_Q4) v += offset[t];
+        else v *= j->w.scale[o];
+        if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = float_to_bf16(v);
+        else ((float *)j->y)[row * j->y_stride + o] = v;
+    }
+}
+
+/* ------------------------------------------------------------------------------------- the products */
+
+/* Output t's codes in the block record rec as 16-bit integers, inputs 0-15 and 16-31. A q4 byte widened
+ * to 16 bits holds input j in its low nibble and j + 16 in its high one: one mask and one shift split it. */
+#ifdef MATMUL_AVX2
+static inline __attribute__((always_inline)) void codes16(const int format, const uint8_t *rec, int t,
+                                                            __m256i *lo, __m256i *hi) {
+    if (format == FORMAT_Q4) {
+        const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * t)));
+        *lo = _mm256_and_si256(q, _mm256_set1_epi16(0x0f));
+        *hi = _mm256_srli_epi16(q, 4);
+    } else {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t + 16)));
+    }
+}
+#else
+static inline void codes16(const int format, const uint8_t *rec, int t, int16_t c[GROUP]) {
+    for (int i = 0; i < 16; i++) {
+        if (format == FORMAT_Q4) {
+            c[i] = rec[16 * t + i] & 0x0f;
+            c[i + 16] = rec[16 * t + i] >> 4;
+        } else {
+            c[i] = (int8_t)rec[32 * t + i];
+            c[i + 16] = (int8_t)rec[32 * t + 16 + i];
+        }
+    }
+}
+#endif
+
+/* The block's scales for the quad's 4 outputs and one row: d * sx (q4), or sx (q8, whose per-output
+ * scale comes at the end). */
+static inline __attribute__((always_inline)) void block_scales(const int format, const uint8_t *rec, float sx,
+                                                                float out[QUAD]) {
+    if (format != FORMAT_Q4) {
+        for (int t = 0; t < QUAD; t++) out[t] = sx;
+        return;
+    }
+#ifdef MATMUL_AVX2
+    _mm_storeu_ps(out, _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 64))), _mm_set1_ps(sx)));
+#else
+    for (int t = 0; t < QUAD; t++) {
+        uint16_t d;
+        memcpy(&d, rec + 64 + 2 * t, sizeof d);
+        out[t] = half_to_float(d) * sx;
+    }
+#endif
+}
+
+/* Rows r0 .. r0 + RT - 1 against the 4 outputs of one quad: one 8-lane fp32 accumulator each. */
+#ifdef MATMUL_AVX2
+#define DEFINE_TILE(NAME, FMT, RT)                                                                     \
+static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
+    const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
+    __m256 acc[RT][QUAD];                                                                              \
+    for (int r = 0; r < RT; r++)                                                                       \
+        for (int t = 0; t < QUAD; t++) acc[r][t] = _mm256_setzero_ps();                                \
+    const uint8_t *rec = record(&j->w, quad, 0);                                                       \
+    const int64_t size = FMT == FORMAT_Q4 ? Q4_RECORD : Q8_RECORD;                                     \
+    for (int64_t b = 0; b < blocks; b++, rec += size) {                                                \
+        float scale[RT][QUAD];                                                                         \
+        for (int r = 0; r < RT; r++) block_scales(FMT, rec, j->sx[(r0 + r) * blocks + b], scale[r]);   \
+        for (int t = 0; t < QUAD; t++) {                                                               \
+            __m256i lo, hi;                                                                            \
+            codes16(FMT, rec, t, &lo, &hi);                                                            \
+            for (int r = 0; r < RT; r++) {                                                             \
+                const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                                 \
+                const __m256i sum = _mm256_add_epi32(                                                  \
+                    _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),                    \
+                    _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16))));            \
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(&scale[r][t]), acc[r][t]); \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int r = 0; r < RT; r++) {                                                                     \
+        float lanes[QUAD][8];                                                                          \
+        for (int t = 0; t < QUAD; t++) _mm256_storeu_ps(lanes[t], acc[r][t]);                          \
+        store(j, r0 + r, quad, lanes);                                                                 \
+    }                                                                                                  \
+}
+#else
+#define DEFINE_TILE(NAME, FMT, RT)                                                                     \
+static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
+    const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
+    for (int r = 0; r < RT; r++) {                                                                     \
+        float lanes[QUAD][8] = {{0}};                                                                  \
+        for (int t = 0; t < QUAD; t++) {                                                               \
+            for (int64_t b = 0; b < blocks; b++) {                                                     \
+                const uint8_t *rec = record(&j->w, quad, b);                                           \
+                int16_t c[GROUP];                                                                      \
+                codes16(FMT, rec, t, c);                                                               \
+                const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                                 \
+                float scales[QUAD];                                                                    \
+                block_scales(FMT, rec, j->sx[(r0 + r) * blocks + b], scales);                          \
+                const float scale = scales[t];                                                         \
+                for (int l = 0; l < 8; l++) {                                                          \
+                    const int32_t sum = (int32_t)c[2 * l] * xq[2 * l] + (int32_t)c[2 * l + 1] * xq[2 * l + 1] \
+                        + (int32_t)c[16 + 2 * l] * xq[16 + 2 * l] + (int32_t)c[17 + 2 * l] * xq[17 + 2 * l]; \
+                    lanes[t][l] = fmaf((float)sum, scale, lanes[t][l]);                                \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        store(j, r0 + r, quad, lanes);                                                                 \
+    }                                                                                                  \
+}
+#endif
+/* 16 vector registers: up to 12 accumulators (3 rows x 4 outputs), one output's codes, temporaries. */
+#define DEFINE_TILES(NAME, FMT)                                                                        \
+DEFINE_TILE(NAME, FMT, 3)                                                                              \
+DEFINE_TILE(NAME, FMT, 2)                                                                              \
+DEFINE_TILE(NAME, FMT, 1)                                                                              \
+static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {                             \
+    for (int64_t q = q_begin; q < q_end; q++) {                                                        \
+        int64_t r = 0;                                                                                 \
+        for (; r + 3 <= j->rows; r += 3) tile_##NAME##_3(j, r, q); /* a quad's codes unpacked once for 3 rows */ \
+        if (j->rows - r == 2) tile_##NAME##_2(j, r, q);                                                \
+        else if (j->rows - r == 1) tile_##NAME##_1(j, r, q);                                           \
+    }                                                                                                  \
+}
+DEFINE_TILES(q4, FORMAT_Q4)
+DEFINE_TILES(q8, FORMAT_Q8)
+
+static int run_quads(const job_t *j, int64_t q_begin, int64_t q_end) {
+    if (j->w.format == FORMAT_Q4) quads_q4(j, q_begin, q_end);
+    else quads_q8(j, q_begin, q_end);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------- threads */
+
+static void part_range(int64_t part, int64_t parts, int64_t unit, int64_t n, int64_t *begin, int64_t *end) {
+    const int64_t units = (n + unit - 1) / unit;
+    *begin = units * part / parts * unit;
+    *end = units * (part + 1) / parts * unit;
+    if (*end > n) *end = n;
+    if (*begin > n) *begin = n;
+}
+
+/* Contiguous ranges of quads, one per thread of an OpenMP team: the library is linked against the
+ * libgomp torch has loaded (same soname), so these are torch's own intra-op threads, already spinning
+ * after torch's last op; a pool of our own beside them made the two fight for the cores (a 1-row step
+ * took 38.7 against 16.4 ms with torch's threads told not to spin). */
+static int run(const job_t *j, int64_t threads) {
+    const int64_t n = quads(&j->w), units = (n + SPLIT_QUADS - 1) / SPLIT_QUADS;
+    if (threads > units) threads = units;
+    if (threads <= 1) return run_quads(j, 0, n);
+    int err = 0;
+#pragma omp parallel num_threads((int)threads) reduction(| : err)
+    {
+        int64_t begin, end;
+        part_range(omp_get_thread_num(), omp_get_num_threads(), SPLIT_QUADS, n, &begin, &end);
+        if (begin < end) err |= run_quads(j, begin, end);
+    }
+    return err;
+}
+
+/* ------------------------------------------------------------------------------------- entry points */
+
+static int matmul(weight_t w, const void *x, int x_bf16, int64_t x_stride, int64_t rows, void *y, int y_bf16,
+                  int64_t y_stride, int64_t threads) {
+    if (w.in % GROUP || w.in <= 0 || w.out <= 0 || rows < 0) return -EINVAL;
+    if (!rows) return 0;
+    const int64_t blocks = w.in / GROUP;
+    int16_t *xq = malloc((size_t)(rows * w.in) * sizeof(int16_t));
+    float *sx = malloc((size_t)(2 * rows * blocks) * sizeof(float));
+    if (!xq || !sx) {
+        free(xq);
+        free(sx);
+        return -ENOMEM;
+    }
+    const size_t elem = x_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, w.in, xq + r * w.in, sx + r * blocks,
+                     sx + (rows + r) * blocks);
+    job_t j = {w, xq, sx, sx + rows * blocks, rows, y, y_stride, y_bf16};
+    const int err = run(&j, threads);
+    free(xq);
+    free(sx);
+    return err;
+}
+
+/* y [rows, out] = x [rows, in] @ W^T, W in GGUF Q4 blocks, packed as above. Returns 0, or a negative errno. */
+int q4_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
+              int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+    weight_t w = {FORMAT_Q4, packed, NULL, out, in};
+    return matmul(w, x, x_bf16, x_stride, rows, y, y_bf16, y_stride, threads);
+}
+
+/* y [rows, out] = x [rows, in] @ (codes * scale[:, None])^T, codes int8 packed as above. */
+int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const int8_t *packed, const float *scale,
+              int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+    weight_t w = {FORMAT_Q8, (const uint8_t *)packed, scale, out, in};
+    return matmul(w, x, x_bf16, x_stride, rows, y, y_bf16, y_stride, threads);
+}

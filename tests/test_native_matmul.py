@@ -1,0 +1,169 @@
+"""Decode's native weight matmuls (common/engine/decode_matmul.c through native.py) on their own.
+
+Against the exact product of the same weights (the GGUF Q4 blocks dequantized, the int8 LM head times its
+scales) within the error the 16-bit activation quantization allows, and for what invariant 4 needs of
+them: a row's output is the same bits whatever the other rows, however many threads split the outputs,
+and in the AVX2 build and the portable C one alike.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from common.engine import native
+
+GROUP = 32
+XQ_MAX = 32767.0
+
+
+def _kernel() -> native.DecodeKernels:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: decode runs torch's int4 kernel here")
+    k = native.kernel()
+    assert k is not None, "the kernels did not build although a compiler is there: see the log"
+    return k
+
+
+def _q4_weight(out_features: int, in_features: int, seed: int = 0):
+    """Random Q4 blocks as GGUF holds them: codes 0..15, fp16 d > 0 and fp16 m of either sign (Q4_1; Q4_0's
+    m = -8 d among them). Returns codes, d, m (float32 holding fp16 values) and the dense weight."""
+    rng = np.random.default_rng(seed)
+    blocks = in_features // GROUP
+    codes = rng.integers(0, 16, (out_features, in_features), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, (out_features, blocks)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.4, 0.1, (out_features, blocks)).astype(np.float16).astype(np.float32)
+    m[::3] = -8 * d[::3]
+    dense = codes.astype(np.float64) * np.repeat(d, GROUP, 1) + np.repeat(m, GROUP, 1)
+    return codes, d, m, dense
+
+
+def _quant_error_bound(x: torch.Tensor, dense: np.ndarray) -> np.ndarray:
+    """|y - x @ W^T| allowed per [row, output]: each block of a row is rounded to 1/32767 of its largest
+    |x| (half a step at most per element), plus fp32 accumulation slack."""
+    xb = x.double().numpy().reshape(x.shape[0], -1, GROUP)
+    step = np.abs(xb).max(-1) / XQ_MAX  # [rows, blocks]
+    wb = np.abs(dense).reshape(dense.shape[0], -1, GROUP).sum(-1)  # [out, blocks]
+    exact_scale = np.abs(x.double().numpy()) @ np.abs(dense).T
+    return 0.5 * step @ wb.T + 1e-5 * exact_scale + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q4_is_the_files_weights_times_x_within_the_quantization_error(dtype):
+    k = _kernel()
+    codes, d, m, dense = _q4_weight(102, 576)  # 102 outputs: the last quad is padded
+    packed = native.pack_q4(codes, d, m)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
+    x[2, 40] = 300.0  # an outlier channel, as SmolLM2 has: it coarsens only its own block
+    y = k.q4_matmul(x, packed, 102)
+    assert y.shape == (7, 102) and y.dtype == dtype
+    exact = x.double().numpy() @ dense.T
+    bound = _quant_error_bound(x, dense) + (np.abs(exact) / 128 if dtype == torch.bfloat16 else 0)  # bf16 out
+    err = np.abs(y.double().numpy() - exact)
+    assert (err <= bound).all(), f"worst error {err.max():.3g} against its bound {bound.flat[err.argmax()]:.3g}"
+    # Far closer than bf16 activations would be (~2^-9 of each element):
+    if dtype == torch.float32:
+        assert np.median(err / (np.abs(x.double().numpy()) @ np.abs(dense).T)) < 1e-5
+
+
+def test_q8_is_codes_times_scales_times_x():
+    k = _kernel()
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(-127, 128, (1001, 576), dtype=torch.int8, generator=gen)
+    scales = torch.rand(1001, generator=gen) * 0.01 + 1e-4
+    packed, packed_scales = native.pack_q8(codes, scales)
+    x = torch.randn(5, 576, generator=gen)
+    y = k.q8_matmul(x, packed, packed_scales, 1001)
+    dense = (codes.double() * scales.double()[:, None]).numpy()
+    exact = x.double().numpy() @ dense.T
+    err = np.abs(y.double().numpy() - exact)
+    assert y.dtype == torch.float32 and (err <= _quant_error_bound(x, dense)).all(), err.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_is_the_same_bits_whatever_the_batch_and_the_threads(dtype):
+    """Invariant 4 at its root for the matmuls: batches of 1 to 32 rows (every tile shape: 3, 2 and 1 rows)
+    and 1 or 2 threads give each row the bits it gets alone on one thread."""
+    k = _kernel()
+    codes, d, m, _ = _q4_weight(200, 1536, seed=3)
+    packed = native.pack_q4(codes, d, m)
+    head, head_scales = native.pack_q8(torch.randint(-127, 128, (500, 1536), dtype=torch.int8),
+                                       torch.rand(500) * 0.01)
+    gen = torch.Generator().manual_seed(4)
+    rows = (torch.randn(32, 1536, generator=gen) * 3).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [(k.q4_matmul(rows[i:i + 1], packed, 200), k.q8_matmul(rows[i:i + 1], head, head_scales, 500))
+                 for i in range(32)]
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for bsz in (2, 3, 4, 5, 13, 32):
+                idx = torch.randperm(32, generator=gen)[:bsz]
+                y4 = k.q4_matmul(rows[idx], packed, 200)
+                y8 = k.q8_matmul(rows[idx], head, head_scales, 500)
+                for r, i in enumerate(idx.tolist()):
+                    assert torch.equal(y4[r], alone[i][0][0]), f"q4 row {i} differs at batch {bsz}, {n_threads} threads"
+                    assert torch.equal(y8[r], alone[i][1][0]), f"q8 row {i} differs at batch {bsz}, {n_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_x_rows_of_a_wider_tensor_are_read_in_place():
+    """x may be a view with a row stride (a slice of qkv, say): the same result as a contiguous copy."""
+    k = _kernel()
+    codes, d, m, _ = _q4_weight(64, 576, seed=5)
+    packed = native.pack_q4(codes, d, m)
+    wide = torch.randn(4, 1000)
+    assert torch.equal(k.q4_matmul(wide[:, 100:676], packed, 64), k.q4_matmul(wide[:, 100:676].contiguous(), packed, 64))
+
+
+def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row():
+    """A non-finite activation must not be quantized away into a plausible number: the row's outputs are
+    NaN, as a float product's would be; the other rows keep their bits."""
+    k = _kernel()
+    codes, d, m, _ = _q4_weight(40, 576, seed=6)
+    packed = native.pack_q4(codes, d, m)
+    x = torch.randn(3, 576)
+    clean = k.q4_matmul(x, packed, 40)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x_bad = x.clone()
+        x_bad[1, 17] = bad
+        y = k.q4_matmul(x_bad, packed, 40)
+        assert torch.isnan(y[1]).all(), bad
+        assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
+
+
+def test_bad_arguments_are_refused_with_a_reason():
+    k = _kernel()
+    codes, d, m, _ = _q4_weight(8, 64)
+    packed = native.pack_q4(codes, d, m)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        k.q4_matmul(torch.randn(2, 64, dtype=torch.float16), packed, 8)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        k.q4_matmul(torch.randn(64, 2).t(), packed, 8)
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        k.q4_matmul(torch.randn(2, 48), packed, 8)  # not whole blocks of 32
+    assert k.q4_matmul(torch.randn(0, 64), packed, 8).shape == (0, 8)
+
+
+def test_the_portable_c_path_computes_the_same_bits(tmp_path):
+    """A build without AVX2 (the plain C loops, for other CPUs) sums in the same order as the AVX2 one: a
+    worker's tokens do not depend on which build it runs."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    k = _kernel()
+    plain_path = tmp_path / "decode_kernels_plain.so"
+    native._compile(native._compiler(None), [f if f != "-march=native" else "-march=x86-64" for f in native.FLAGS],
+                    plain_path)
+    plain = native.DecodeKernels(plain_path)
+    codes, d, m, _ = _q4_weight(36, 576, seed=7)
+    packed = native.pack_q4(codes, d, m)
+    head, head_scales = native.pack_q8(torch.randint(-127, 128, (44, 576), dtype=torch.int8), torch.rand(44) * 0.01)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, 576) * 2).to(dtype)
+        assert torch.equal(plain.q4_matmul(x, packed, 36), k.q4_matmul(x, packed, 36)), dtype
+        assert torch.equal(plain.q8_matmul(x, head, head_scales, 44), k.q8_matmul(x, head, head_scales, 44)), dtype
