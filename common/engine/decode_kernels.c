@@ -19,12 +19,14 @@
  *   out   [rows, heads, dim], contiguous
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define LANES 16
 #define MAX_GROUP 16
+#define MAX_HEADS 256
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -42,8 +44,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), |r| <= ln2 / 2, about 2 ulp. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) return 0.0f;
+static inline float exp_nonpositive(float x_in) {
+    /* Branch-free (a select at the end) so that loops over it vectorize. */
+    const float x = x_in < -87.0f ? -87.0f : x_in;
     /* x * log2(e) rounded to an integer: adding and removing 1.5 * 2^23 leaves no fraction (|x| < 2^22) */
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693145751953125f;
@@ -58,7 +61,7 @@ static inline float exp_nonpositive(float x) {
     int32_t e = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &e, sizeof scale);
-    return p * scale;
+    return x_in < -87.0f ? 0.0f : p * scale;
 }
 
 static inline float sum_lanes(const float *l) { /* a fixed tree over the 16 lanes */
@@ -68,65 +71,110 @@ static inline float sum_lanes(const float *l) { /* a fixed tree over the 16 lane
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-#define DEFINE_ATTENTION(NAME, T, LOAD, STORE)                                                          \
-int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_t table_stride,        \
-         const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads, int64_t dim, float scale, \
-         T *out, int64_t item_begin, int64_t item_end) {                                               \
-    int64_t group = heads / kv_heads;                                                                  \
-    if (group > MAX_GROUP || dim % LANES || dim > 256) return -1;                                      \
+/* The (row, KV head) items item_begin .. item_end - 1, a row's heads together: per position the slot's
+ * K (then V) of all those heads is one contiguous read (one head at a time read 256 of every 1,536 bytes
+ * and waited on memory: 4 rows of 1,500 positions took 2 ms a layer in fp32). Pointers are restrict:
+ * with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked block by
+ * block, in order; each (row, head)'s sums are the same operations in the same order as alone. */
+#define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE)                                                    \
+static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
+                int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
+                int64_t kv_heads, int64_t dim, float scale, T *restrict out, int64_t item_begin,       \
+                int64_t item_end) {                                                                    \
+    const int64_t group = heads / kv_heads, slot_stride = 2 * kv_heads * dim;                          \
     int64_t longest = 0;                                                                               \
     for (int64_t it = item_begin; it < item_end; it++)                                                 \
         if (lens[it / kv_heads] > longest) longest = lens[it / kv_heads];                              \
-    float *scores = malloc(sizeof(float) * (size_t)(group * (longest ? longest : 1)));                 \
-    if (!scores) return -2;                                                                            \
-    const int64_t slot_stride = 2 * kv_heads * dim;                                                    \
-    float qf[MAX_GROUP * 256], acc[MAX_GROUP * 256], top[MAX_GROUP], inv[MAX_GROUP];                   \
-    for (int64_t it = item_begin; it < item_end; it++) {                                               \
-        const int64_t row = it / kv_heads, h = it % kv_heads, len = lens[row];                         \
-        const int64_t *blocks = table + row * table_stride;                                            \
-        for (int64_t g = 0; g < group; g++) {                                                          \
-            const T *qh = q + row * q_stride + (h * group + g) * dim;                                  \
-            for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = LOAD(qh[d]) * scale;                   \
-            top[g] = -INFINITY;                                                                        \
+    float *restrict scores = malloc(sizeof(float) * (size_t)(heads * (longest ? longest : 1)));        \
+    float *restrict qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                            \
+    if (!scores || !qf) {                                                                              \
+        free(scores);                                                                                  \
+        free(qf);                                                                                      \
+        return -2;                                                                                     \
+    }                                                                                                  \
+    float *restrict acc = qf + heads * dim, top[MAX_HEADS], inv[MAX_HEADS];                            \
+    for (int64_t it = item_begin; it < item_end;) {                                                    \
+        const int64_t row = it / kv_heads, h0 = it % kv_heads;                                         \
+        const int64_t h1 = item_end - row * kv_heads < kv_heads ? item_end - row * kv_heads : kv_heads; \
+        it = row * kv_heads + h1;                                                                      \
+        const int64_t len = lens[row], hq0 = h0 * group, hq1 = h1 * group; /* query heads hq0 .. hq1-1 */ \
+        const int64_t *restrict blocks = table + row * table_stride;                                   \
+        for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
+            const T *qh = q + row * q_stride + hq * dim;                                               \
+            for (int64_t d = 0; d < dim; d++) qf[hq * dim + d] = LOAD(qh[d]) * scale;                  \
+            top[hq] = -INFINITY;                                                                       \
         }                                                                                              \
-        for (int64_t p = 0; p < len; p++) { /* scores: q . k of every position */                     \
-            const T *k = kv + (blocks[p / block] * block + p % block) * slot_stride + h * dim;         \
-            for (int64_t g = 0; g < group; g++) {                                                      \
-                float lanes[LANES] = {0};                                                              \
-                for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                            \
-                    for (int l = 0; l < LANES; l++) lanes[l] += qf[g * dim + d0 + l] * LOAD(k[d0 + l]); \
-                float s = sum_lanes(lanes);                                                            \
-                scores[g * len + p] = s;                                                               \
-                if (s > top[g]) top[g] = s;                                                            \
-            }                                                                                          \
+        for (int64_t p0 = 0; p0 < len; p0 += block) { /* scores: q . k of every position */           \
+            const T *slots = kv + blocks[p0 / block] * block * slot_stride;                            \
+            const int64_t n = len - p0 < block ? len - p0 : block;                                     \
+            for (int64_t i = 0; i < n; i++)                                                            \
+                for (int64_t hq = hq0; hq < hq1; hq++) {                                               \
+                    const T *k = slots + i * slot_stride + (hq / group) * dim;                         \
+                    float lanes[LANES] = {0};                                                          \
+                    for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                        \
+                        for (int l = 0; l < LANES; l++) lanes[l] += qf[hq * dim + d0 + l] * LOAD(k[d0 + l]); \
+                    const float sc = sum_lanes(lanes);                                                 \
+                    scores[hq * len + p0 + i] = sc;                                                    \
+                    if (sc > top[hq]) top[hq] = sc;                                                    \
+                }                                                                                      \
         }                                                                                              \
-        for (int64_t g = 0; g < group; g++) { /* softmax weights, positions in order */                \
-            float *sg = scores + g * len, total = 0.0f;                                                \
-            for (int64_t p = 0; p < len; p++) sg[p] = exp_nonpositive(sg[p] - top[g]);                 \
+        for (int64_t hq = hq0; hq < hq1; hq++) { /* softmax weights, positions in order */             \
+            float *sg = scores + hq * len, total = 0.0f;                                               \
+            const float t = top[hq];                                                                   \
+            for (int64_t p = 0; p < len; p++) sg[p] = exp_nonpositive(sg[p] - t);                      \
             for (int64_t p = 0; p < len; p++) total += sg[p];                                          \
-            inv[g] = total > 0.0f ? 1.0f / total : 0.0f;                                               \
+            inv[hq] = total > 0.0f ? 1.0f / total : 0.0f;                                              \
         }                                                                                              \
-        memset(acc, 0, sizeof(float) * (size_t)(group * dim));                                         \
-        for (int64_t p = 0; p < len; p++) { /* the weighted sum of V, positions in order */          \
-            const T *v = kv + (blocks[p / block] * block + p % block) * slot_stride + (kv_heads + h) * dim; \
-            for (int64_t g = 0; g < group; g++) {                                                      \
-                const float w = scores[g * len + p];                                                   \
-                for (int64_t d = 0; d < dim; d++) acc[g * dim + d] += w * LOAD(v[d]);                  \
-            }                                                                                          \
+        memset(acc + hq0 * dim, 0, sizeof(float) * (size_t)((hq1 - hq0) * dim));                      \
+        for (int64_t p0 = 0; p0 < len; p0 += block) { /* the weighted sum of V, positions in order */ \
+            const T *slots = kv + blocks[p0 / block] * block * slot_stride + kv_heads * dim;           \
+            const int64_t n = len - p0 < block ? len - p0 : block;                                     \
+            for (int64_t i = 0; i < n; i++)                                                            \
+                for (int64_t hq = hq0; hq < hq1; hq++) {                                               \
+                    const T *v = slots + i * slot_stride + (hq / group) * dim;                         \
+                    const float w = scores[hq * len + p0 + i];                                         \
+                    for (int64_t d = 0; d < dim; d++) acc[hq * dim + d] += w * LOAD(v[d]);             \
+                }                                                                                      \
         }                                                                                              \
-        for (int64_t g = 0; g < group; g++) {                                                          \
-            T *o = out + (row * heads + h * group + g) * dim;                                          \
-            for (int64_t d = 0; d < dim; d++) o[d] = STORE(acc[g * dim + d] * inv[g]);                 \
+        for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
+            T *o = out + (row * heads + hq) * dim;                                                     \
+            for (int64_t d = 0; d < dim; d++) o[d] = STORE(acc[hq * dim + d] * inv[hq]);               \
         }                                                                                              \
     }                                                                                                  \
     free(scores);                                                                                      \
+    free(qf);                                                                                          \
     return 0;                                                                                          \
+}
+
+/* All rows x KV heads; split between `threads` threads of an OpenMP team (torch's, as the matmuls') when
+ * there is enough work. Which thread computes an item never changes its bits. */
+#define DEFINE_ATTENTION(NAME, ITEMS, T)                                                               \
+int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_t table_stride,        \
+         const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads, int64_t dim, float scale, \
+         T *out, int64_t rows, int64_t threads) {                                                      \
+    if (heads % kv_heads || heads / kv_heads > MAX_GROUP || heads > MAX_HEADS || dim % LANES || dim > 256 \
+        || block <= 0)                                                                                 \
+        return -1;                                                                                     \
+    const int64_t items = rows * kv_heads;                                                             \
+    if (threads > items) threads = items;                                                              \
+    if (threads <= 1)                                                                                  \
+        return ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, out, 0, items); \
+    int err = 0;                                                                                       \
+    _Pragma("omp parallel num_threads((int)threads) reduction(| : err)")                               \
+    {                                                                                                  \
+        const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();                      \
+        err |= ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, out, \
+                     items * part / parts, items * (part + 1) / parts);                                \
+    }                                                                                                  \
+    return err;                                                                                        \
 }
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_ATTENTION(decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ATTENTION(decode_attention_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ATTENTION_ITEMS(attention_items_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ATTENTION_ITEMS(attention_items_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ATTENTION(decode_attention_bf16, attention_items_bf16, uint16_t)
+DEFINE_ATTENTION(decode_attention_f32, attention_items_f32, float)
 
 /* ---- The small row-wise ops around a decode layer's matmuls, fused: one call each instead of 5-10
  * torch ops (about 40 us of a 1-row step's 50 each, most of it per-op overhead). Rows are independent

@@ -29,7 +29,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,14 +48,15 @@ PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLA
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
 ENV_CACHE = "HANDOFF_NATIVE_CACHE"
 ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of building one
-# Below this much work ((row, KV head) items times the longest context) one thread does it all: handing
-# half to another thread cost more than the half at 32 rows of 150 tokens (1.15 against 0.77 ms), and
-# paid from 32 rows of 400 on (1.6 against 4.2 ms; 2 threads, this host).
-SPLIT_MIN_WORK = 32_768
+# Below this much work ((row, KV head) items times the longest context) one thread does it all. The split
+# runs on torch's OpenMP team, whose threads are already awake, so it pays early: 2 rows of 107 positions
+# took 36 against 55 us on 2 threads, 32 rows of 130 0.43 against 0.84 ms, 1 row of 107 about the same
+# (34 against 36 us; fp32, this AVX2 host).
+SPLIT_MIN_WORK = 512
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # function (one per dtype suffix) -> argument types, as in decode_kernels.c
-    "decode_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, _I, _I],
+    "decode_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, _I, _I],  # ..., out, rows, threads
     "add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "rope_kv_write": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
     "silu_mul": [_P, _I, _I, _P],
@@ -170,12 +170,11 @@ class DecodeKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._matmuls[name] = fn
-        self._pool: ThreadPoolExecutor | None = None
 
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> bool:
         return (dtype in SUFFIXES and head_dim % 16 == 0 and head_dim <= 256 and hidden_size % 16 == 0
-                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and num_heads <= 256)
 
     @staticmethod
     def _check(code: int, what: str) -> None:
@@ -198,16 +197,8 @@ class DecodeKernels:
         args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                 lens.data_ptr(), block_size, heads, kv_heads, dim, scale, out.data_ptr())
         items = rows * kv_heads
-        if torch.get_num_threads() > 1 and items > 1 and items * longest >= SPLIT_MIN_WORK:
-            # Two halves, one on a helper thread: which thread computes an item never changes its bits.
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-attention")
-            half = items // 2
-            other = self._pool.submit(fn, *args, half, items)
-            self._check(fn(*args, 0, half), "attention")
-            self._check(other.result(), "attention")
-        else:
-            self._check(fn(*args, 0, items), "attention")
+        threads = torch.get_num_threads() if items > 1 and items * longest >= SPLIT_MIN_WORK else 1
+        self._check(fn(*args, rows, threads), "attention")
         return out
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
