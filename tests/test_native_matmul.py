@@ -167,3 +167,31 @@ def test_the_portable_c_path_computes_the_same_bits(tmp_path):
         x = (torch.randn(5, 576) * 2).to(dtype)
         assert torch.equal(plain.q4_matmul(x, packed, 36), k.q4_matmul(x, packed, 36)), dtype
         assert torch.equal(plain.q8_matmul(x, head, head_scales, 44), k.q8_matmul(x, head, head_scales, 44)), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype):
+    """decode_layers.c runs every layer of a decode step in one call; the model's per-op path (one native
+    call per kernel from Python) computes the same hidden states, logits and cache writes."""
+    from common.engine.runner import DecodeItem, PrefillItem
+
+    _kernel()
+    runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True)
+    model = runner.model
+    assert model.native_layers is not None, "the int4 layers did not get the one-call path"
+    gen = torch.Generator().manual_seed(8)
+    for i, n in enumerate((1, 30, 77)):
+        runner.cache.pool.allocate(f"s{i}", n + 4)
+        runner.prefill([PrefillItem(f"s{i}", torch.randint(0, 49152, (n,), generator=gen).tolist())])
+    items = [DecodeItem("s0", 11, 1), DecodeItem("s1", 12, 30), DecodeItem("s2", 13, 77), DecodeItem("s2", 14, 78)]
+    kv_before = runner.cache.kv.clone()
+    one_call = runner.decode(items)
+    hidden, kv_after = runner.last_hidden.clone(), runner.cache.kv.clone()
+    runner.cache.kv.copy_(kv_before)
+    layers, model.native_layers = model.native_layers, None
+    try:
+        per_op = runner.decode(items)
+    finally:
+        model.native_layers = layers
+    assert torch.equal(runner.last_hidden, hidden) and torch.equal(per_op, one_call)
+    assert torch.equal(runner.cache.kv, kv_after)

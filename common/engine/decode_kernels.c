@@ -181,7 +181,7 @@ DEFINE_ATTENTION(decode_attention_f32, attention_items_f32, float)
  * and every sum has a fixed order, as above. */
 
 /* h [rows, dim] fp32 residual += delta (model dtype, or NULL), then out = RMSNorm(h) * w in the model
- * dtype: (h * (1 / sqrt(mean(h^2) + eps))) * w, as F.rms_norm. */
+ * dtype: (h * (1 / sqrt(mean(h^2) + eps))) * w, as F.rms_norm; out NULL: the add alone. */
 #define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE)                                                       \
 int NAME(float *h, const T *delta, const float *w, int64_t rows, int64_t dim, float eps, T *out) {    \
     if (dim % LANES) return -1;                                                                        \
@@ -189,6 +189,7 @@ int NAME(float *h, const T *delta, const float *w, int64_t rows, int64_t dim, fl
         float *x = h + r * dim;                                                                        \
         if (delta)                                                                                     \
             for (int64_t d = 0; d < dim; d++) x[d] += LOAD(delta[r * dim + d]);                        \
+        if (!out) continue;                                                                            \
         float lanes[LANES] = {0};                                                                      \
         for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                                    \
             for (int l = 0; l < LANES; l++) lanes[l] += x[d0 + l] * x[d0 + l];                         \
@@ -228,9 +229,10 @@ int NAME(T *qkv, const T *cos, const T *sin, const int64_t *positions, int64_t r
 }
 
 /* gate_up [rows, 2 * width] model dtype -> out [rows, width]: silu(gate) * up, silu rounded to the dtype
- * before the product as F.silu(gate) * up does. */
+ * before the product as F.silu(gate) * up does. Rows split between `threads` (torch's OpenMP team). */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                           \
-int NAME(const T *gate_up, int64_t rows, int64_t width, T *out) {                                     \
+int NAME(const T *restrict gate_up, int64_t rows, int64_t width, T *restrict out, int64_t threads) {  \
+    _Pragma("omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1)")                 \
     for (int64_t r = 0; r < rows; r++) {                                                               \
         const T *g = gate_up + r * 2 * width, *u = g + width;                                          \
         for (int64_t d = 0; d < width; d++) {                                                          \

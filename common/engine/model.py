@@ -6,6 +6,7 @@ decode are two entry points of the same weights.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -221,6 +222,15 @@ class Llama(torch.nn.Module):
             release_freed_pages()  # the layer's temporary fp32 copies: peak memory stays near the model's
         cos, sin = rope_tables(c, c.max_position, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        # The whole int4 layer stack in one native call (decode_layers.c), where every layer has its packed
+        # weights: 6 pointers a layer, into tensors the layers hold.
+        self.native_layers = None
+        if self.kernels is not None and all(layer[n] is not None and layer[n].kernels is not None
+                                            for layer in self.layers for n in ("wqkv4", "wo4", "w134", "w24")):
+            self.native_layers = (ctypes.c_void_p * (6 * c.num_layers))(*[
+                t.data_ptr() for layer in self.layers for t in (
+                    layer["attn_norm"], layer["wqkv4"].packed, layer["wo4"].packed, layer["mlp_norm"],
+                    layer["w134"].packed, layer["w24"].packed)])
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
@@ -274,6 +284,12 @@ class Llama(torch.nn.Module):
         native_ops = self.kernels if ctx.block_tables is not None else None
         # The residual stream stays fp32 (adds promote for free); only matmul inputs are 16-bit.
         h = self.embed.index_select(0, input_ids).float()  # [N, dim]
+        if native_ops is not None and ctx.use_int4 and self.native_layers is not None:
+            # The same layers in one native call (the per-op path below, on the same kernels, bit for bit).
+            native_ops.decode_layers(h, self.native_layers, kv, self.cos, self.sin, positions, ctx.slot_mapping,
+                                     ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size, c.num_heads,
+                                     c.head_dim, c.intermediate_size, c.rms_norm_eps)
+            return F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
         if native_ops is None:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
             sin = self.sin.index_select(0, positions).unsqueeze(1)

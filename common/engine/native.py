@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 MATMUL_SOURCE = Path(__file__).with_name("decode_matmul.c")
+LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")
 # No -ffast-math: the kernel's sums must keep the order the source gives them (invariant 4).
 # -fopenmp: the matmuls run on an OpenMP team, linked against the libgomp torch loaded (decode_matmul.c).
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
@@ -59,7 +60,11 @@ SIGNATURES = {  # function (one per dtype suffix) -> argument types, as in decod
     "decode_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, _I, _I],  # ..., out, rows, threads
     "add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
     "rope_kv_write": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
-    "silu_mul": [_P, _I, _I, _P],
+    "silu_mul": [_P, _I, _I, _P, _I],
+    # decode_layers.c: h, rows, layers, the layers' weight pointers, kv, layer stride, cos, sin, positions,
+    # slots, block tables, their stride, lens, block, heads, kv heads, head dim, hidden, ffn, eps, attention
+    # scale, threads, attention threads
+    "decode_layers": [_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I],
 }
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # decode_matmul.c: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is
@@ -102,6 +107,11 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return packed, scales.contiguous()
 
 
+def _sources() -> list[Path]:
+    """The library's C files (read at call time: tests point SOURCE elsewhere)."""
+    return [SOURCE, MATMUL_SOURCE, LAYERS_SOURCE]
+
+
 def cache_dir() -> Path:
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE])
@@ -111,7 +121,7 @@ def cache_dir() -> Path:
 
 def _build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for source in (SOURCE, MATMUL_SOURCE):
+    for source in _sources():
         h.update(source.read_bytes())
     h.update(" ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu_flags())]).encode())
     return h.hexdigest()[:16]
@@ -142,7 +152,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".decode_kernels-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), str(MATMUL_SOURCE), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *flags, *map(str, _sources()), "-o", tmp, "-lm"],
                               capture_output=True,
                               text=True, timeout=120)
         if done.returncode:
@@ -196,9 +206,7 @@ class DecodeKernels:
         fn = self._fns["decode_attention", q.dtype]
         args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                 lens.data_ptr(), block_size, heads, kv_heads, dim, scale, out.data_ptr())
-        items = rows * kv_heads
-        threads = torch.get_num_threads() if items > 1 and items * longest >= SPLIT_MIN_WORK else 1
-        self._check(fn(*args, rows, threads), "attention")
+        self._check(fn(*args, rows, self.attention_threads(rows, kv_heads, longest)), "attention")
         return out
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -248,14 +256,37 @@ class DecodeKernels:
             torch.get_num_threads()), name)
         return y
 
+    def attention_threads(self, rows: int, kv_heads: int, longest: int) -> int:
+        return torch.get_num_threads() if rows * kv_heads > 1 and rows * kv_heads * longest >= SPLIT_MIN_WORK else 1
+
+    def decode_layers(self, h: torch.Tensor, layer_weights: ctypes.Array, kv: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                      lens: torch.Tensor, longest: int, block_size: int, heads: int, head_dim: int, ffn: int,
+                      eps: float) -> None:
+        """Every layer of a decode step (decode_layers.c) on the fp32 residual h [rows, hidden], in place:
+        the same kernels as the per-op path, in one call. layer_weights: 6 pointers a layer (attn_norm, wqkv,
+        wo, mlp_norm, w13, w2; the norms fp32, the matmuls as `pack_q4` lays them out); kv [layers, slots,
+        2, kv_heads, head_dim] contiguous; the rest as `attention` and `rope_kv_write` take them."""
+        rows, hidden = h.shape
+        layers, kv_heads = kv.shape[0], kv.shape[3]
+        if not (h.is_contiguous() and h.dtype == torch.float32 and kv.is_contiguous() and cos.dtype == kv.dtype
+                and cos.is_contiguous() and sin.is_contiguous() and len(layer_weights) == 6 * layers):
+            raise ValueError("decode_layers: h must be contiguous fp32, kv and the rotary tables contiguous, of "
+                             "one dtype, with 6 weight pointers a layer")
+        self._check(self._fns["decode_layers", kv.dtype](
+            h.data_ptr(), rows, layers, layer_weights, kv.data_ptr(), kv[0].numel(), cos.data_ptr(), sin.data_ptr(),
+            positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            lens.data_ptr(), block_size, heads, kv_heads, head_dim, hidden, ffn, eps, head_dim ** -0.5,
+            torch.get_num_threads(), self.attention_threads(rows, kv_heads, longest)), "decode_layers")
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 F] contiguous → silu(gate) * up [rows, F]."""
         if not gate_up.is_contiguous():
             raise ValueError("silu_mul: gate_up must be contiguous")
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype)
-        self._check(self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, width, out.data_ptr()),
-                    "silu_mul")
+        self._check(self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, width, out.data_ptr(),
+                                                        torch.get_num_threads()), "silu_mul")
         return out
 
 
