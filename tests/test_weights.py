@@ -265,3 +265,18 @@ def test_hf_folder_rope_scaling_rejected(tmp_path, rope_type):
     with pytest.raises(ModelLoadError, match="not supported") as err:
         load_weights(folder, progress=False)
     assert str(folder / "config.json") in str(err.value)
+
+
+def test_the_gguf_reader_reads_what_gguf_s_own_reader_does(smollm2_path):
+    """common/engine/gguf_file.py (a fast reader) against the gguf package's GGUFReader on the real file:
+    every field's value, every tensor's name, type, dims and bytes."""
+    from common.engine.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(smollm2_path), gguf.GGUFReader(smollm2_path)
+    assert ours.fields.keys() == {k for k in theirs.fields if not k.startswith("GGUF.")}
+    for key, value in ours.fields.items():
+        assert value == theirs.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.shape, a.n_bytes) == (b.tensor_type, tuple(int(d) for d in b.shape), b.n_bytes), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name

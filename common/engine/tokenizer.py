@@ -15,13 +15,14 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import gguf
 import jinja2
 import jinja2.ext
 import sentencepiece
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers
+
+from common.engine.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -331,11 +332,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _read_gguf_tokenizer(path: Path) -> dict:
     """The tokenizer.* metadata of a GGUF file, as plain Python values."""
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # a damaged file surfaces as whatever numpy or the reader hits (ValueError, IndexError)
+        fields = GGUFFile(path).fields
+    except Exception as e:  # GGUFFormatError, or numpy's own on an empty file
         raise TokenizerError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
                              f"it may be truncated or not a GGUF at all, download it again") from e
-    meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    meta = {key: value for key, value in fields.items() if key.startswith("tokenizer.")}
     if "tokenizer.ggml.tokens" not in meta:
         raise TokenizerError(f"{path}: GGUF file carries no tokenizer (no tokenizer.ggml.tokens); "
                              f"point at the model's tokenizer.json or tokenizer.model instead")

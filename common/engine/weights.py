@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from common.engine.config import ModelConfig
+from common.engine.gguf_file import GGUFFile
 from common.engine.models import ModelNotFoundError, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,6 @@ def file_digest(paths: list[Path]) -> str:
 
 # --------------------------------------------------------------------------- GGUF
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 def _undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     # llama.cpp's converter reorders each head's rows from [first half | second half]
     # (HF's rotate_half layout) to interleaved pairs; this is its exact inverse.
@@ -136,51 +130,49 @@ def _int4_from_gguf(t, num_heads: int | None) -> Int4Weight | None:
 
 
 def gguf_config(reader, path: Path) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported "
                              f"(supported: 'llama' — Llama, Mistral, SmolLM and other Llama-family models)")
 
     def need(key):
-        value = _gguf_field(reader, f"llama.{key}")
+        value = reader.fields.get(f"llama.{key}")
         if value is None:
             raise ModelLoadError(f"{path}: GGUF metadata key 'llama.{key}' is missing; the file is incomplete")
         return value
 
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
-    num_kv_heads = int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads))
-    head_dim = int(_gguf_field(reader, "llama.attention.key_length", hidden // num_heads))
+    num_kv_heads = int(reader.fields.get("llama.attention.head_count_kv", num_heads))
+    head_dim = int(reader.fields.get("llama.attention.key_length", hidden // num_heads))
     names = {t.name for t in reader.tensors}
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
-    if _gguf_field(reader, "llama.rope.scaling.type", "none") not in ("none", None) or "rope_freqs.weight" in names:
+    if reader.fields.get("llama.rope.scaling.type", "none") not in ("none", None) or "rope_freqs.weight" in names:
         raise ModelLoadError(f"{path}: rotary scaling is not supported yet (plain RoPE only)")
     return ModelConfig(
-        vocab_size=int(_gguf_field(reader, "llama.vocab_size", int(embd.shape[1]))),
+        vocab_size=int(reader.fields.get("llama.vocab_size", int(embd.shape[1]))),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
         num_layers=int(need("block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=int(_gguf_field(reader, "llama.context_length", 2048)),
+        rope_theta=float(reader.fields.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(reader.fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(reader.fields.get("llama.context_length", 2048)),
         tie_embeddings="output.weight" not in names,
     )
 
 
-def open_gguf(path: Path):
-    """GGUFReader with readable errors for missing, truncated or foreign files."""
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
+    """The GGUF file's metadata and tensor views, with readable errors for missing, truncated or foreign files."""
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such file")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader fails deep inside numpy/struct on bad input
+        return GGUFFile(path)
+    except Exception as exc:  # GGUFFormatError, or numpy's own on an empty file
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
                              f"the file may be truncated or corrupt — download or reinstall it") from exc
 
