@@ -38,7 +38,10 @@ def test_kill_decode_worker_colocated(colocated, victim):
 
 
 def test_kill_prefill_worker_conditional_falls_back_to_decode(tmp_path):
-    procs = ProcCluster(tmp_path, num_prefill=1, num_decode=2,
+    # 12 prompts of 214 tokens (prompt + max_tokens) at once: 168 blocks, which two 0.05 GiB pools hold in
+    # bf16 but not in fp32 (46 KB a token: 72 blocks each), the dtype auto picks on hosts without native
+    # bf16; the test is about the fallback, not about queueing for KV.
+    procs = ProcCluster(tmp_path, num_prefill=1, num_decode=2, kv_memory_gib=0.1,
                         env={"HANDOFF_PREFILL_MODE": "conditional",
                              "HANDOFF_REMOTE_PREFILL_MIN_TOKENS": str(MIN_REMOTE_TOKENS),
                              # length alone: every long prompt queues on prefill-0, so the ones moved
