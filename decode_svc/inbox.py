@@ -77,8 +77,9 @@ class KVInbox:
                 return
         callback(entry[1])
 
-    def cancel(self, key: str) -> None:
-        """The key's Decode call ended: drop what is parked for it and refuse what comes later."""
+    def cancel(self, key: str) -> bool:
+        """The key's Decode call ended: drop what is parked for it and refuse what comes later.
+        Whether K/V was parked for it."""
         with self._cond:
             parked = self._arrived.pop(key, None) is not None
             waiter = self._waiters.pop(key, None)
@@ -87,6 +88,7 @@ class KVInbox:
             self._drop(key)
         if waiter is not None:
             waiter[1](None)
+        return parked
 
     def sweep(self) -> None:
         """Drop K/V unclaimed for ttl_s, and forget old tombstones."""

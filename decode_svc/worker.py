@@ -153,7 +153,14 @@ class DecodeWorker(WorkerBase):
                                f"lower max_tokens")
         # A new colocated sequence also needs the slot of the token its prefill samples.
         self.check_lease(rid, len(prompt) + max(len(output), 1))
-        return DecodeJob(rid, seq_key(rid, request.attempt), prompt, output, params, seed, request.prefill_here,
+        key = seq_key(rid, request.attempt)
+        # Colocated, no push may come for this attempt: one that came is dropped, one still to come refused.
+        if request.prefill_here and self.inbox.cancel(key):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"K/V was pushed for {rid} attempt {request.attempt}, yet its Decode asks to "
+                               f"prefill here (prefill_here): an attempt is pushed or prefilled here, never "
+                               f"both; the pushed K/V is dropped")
+        return DecodeJob(rid, key, prompt, output, params, seed, request.prefill_here,
                          request.kv_wait_s or self.config.kv_wait_s)
 
     def check_kv(self, job: DecodeJob, kv_len: int | None, wait_s: float) -> None:

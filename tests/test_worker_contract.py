@@ -162,6 +162,27 @@ def test_a_resumed_prefill_pushes_without_sampling(cluster):
     release_all(cluster)
 
 
+def test_a_colocated_decode_of_a_pushed_attempt_is_refused_and_its_kv_dropped(cluster):
+    """An attempt is pushed or prefilled here, never both: a prefill_here Decode for a key whose K/V is
+    parked fails with INVALID_ARGUMENT (not INTERNAL from the pool) and the parked blocks are freed."""
+    d = cluster.decode[0]
+    free = d.engine.pool.num_free_blocks
+    rid = f"both-{time.monotonic_ns()}"
+    prefill(cluster, rid)
+    wait_parked(d, 1)
+    request = internal_pb2.DecodeRequest(
+        request_id=rid, epoch=d.epoch, prompt_ids=PROMPT, attempt=1, prefill_here=True,
+        sampling=sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=4), 0))
+    with grpc.insecure_channel(d.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(internal_pb2_grpc.DecodeWorkerStub(ch).Decode(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert "prefill_here" in err.value.details() and "dropped" in err.value.details()
+    wait_parked(d, 0)
+    assert d.inbox.num_parked == 0 and d.engine.pool.num_free_blocks == free
+    release_all(cluster)
+
+
 @pytest.mark.parametrize("prompt", ["short", "streamed"])
 @pytest.mark.parametrize("fault", ["stale epoch", "no lease", "dead address"])
 def test_a_failed_push_is_charged_to_the_decode_worker(cluster, fault, prompt):

@@ -75,21 +75,28 @@ def decode_requests(draw) -> Spec:
     with_kv = draw(st.booleans())  # push the KV first, so that a valid request really decodes
     # Without KV, also lengths the context takes but the KV pool (1,152 tokens) cannot.
     too_big_for_pool = st.tuples(st.integers(0, 49151), st.integers(1100, 8000)).map(lambda t: [t[0]] * t[1])
-    ids = draw(SANE_IDS) if with_kv else pick(draw, sane, SANE_IDS, st.one_of(WILD_IDS, too_big_for_pool))
-    output = pick(draw, sane, SANE_OUTPUT, WILD_OUTPUT if with_kv else st.one_of(WILD_OUTPUT, too_big_for_pool))
+    # Colocated (prefill_here): prefilled on the decode worker itself, a short prompt and few tokens.
+    here = draw(st.integers(0, 7)) == 0
+    small = with_kv or here
+    ids = draw(SANE_IDS) if with_kv else pick(draw, sane, SANE_IDS, WILD_IDS if here else
+                                              st.one_of(WILD_IDS, too_big_for_pool))
+    output = ([] if here and draw(st.booleans()) else
+              pick(draw, sane, SANE_OUTPUT, WILD_OUTPUT if small else st.one_of(WILD_OUTPUT, too_big_for_pool)))
     parts: list[Part] = [id_part(1, None)]
     epoch = pick(draw, sane, st.just("real"), wire_text(max_size=8))
     parts.append((lambda c: f_len(2, c.decode_epoch.encode())) if epoch == "real" else f_len(2, epoch))
     parts += ids_field(draw, 3, ids)
     if sane or draw(st.integers(0, 5)):
-        # With KV, max_tokens stays small (or 0 once truncated to uint32): a valid request then decodes
+        # With KV or prefilled here, max_tokens stays small (or 0 once truncated to uint32): a valid request then decodes
         # a few tokens, never thousands.
-        mt, wild_mt = ((st.integers(1, 8), st.sampled_from([None, 0, 2**32, 2**64 - 2**32])) if with_kv else
+        mt, wild_mt = ((st.integers(1, 8), st.sampled_from([None, 0, 2**32, 2**64 - 2**32])) if small else
                        (st.integers(1, 10**6), st.one_of(ANY_VARINT, st.none())))
         parts.append(f_len(5, draw(internal_sampling(sane or draw(st.booleans()), max_tokens=mt,
                                                      wild_max_tokens=wild_mt))))
     parts += ids_field(draw, 8, output)
     parts += attempt_part(9, pick(draw, sane, SANE_ATTEMPT, WILD_ATTEMPT))
+    if here:
+        parts.append(f_varint(10, 1))
     wait = pick(draw, sane, st.floats(0.01, 0.2), st.one_of(
         st.floats(allow_nan=True, allow_infinity=True),
         st.sampled_from([0.0, -0.0, -1.0, 1e-300, 5e-324, 1e300, math.inf, -math.inf, math.nan, 3.0])))
@@ -112,11 +119,17 @@ def max_seq_tokens(r, cfg) -> int:
     return max(prompt_len + output_len, min(prompt_len + r.sampling.max_tokens, cfg.max_position))
 
 
+def held_tokens(r) -> int:
+    """The tokens the Decode holds KV for at once when it starts (what the worker checks the lease against):
+    the prompt and the completion so far, or its first token when it is prefilled here."""
+    return len(r.prompt_ids) + max(len(r.output_ids), 1)
+
+
 def lease_blocks(spec: Spec, r, cluster) -> int:
     """Blocks to reserve for the Decode: enough (what the router would), none, or one block too few."""
     d = cluster.decode[0]
     pool = d.engine.pool
-    need = pool.blocks_for(len(r.prompt_ids) + len(r.output_ids))  # what the worker checks
+    need = pool.blocks_for(held_tokens(r))  # what the worker checks
     full = max(need, pool.blocks_for(max_seq_tokens(r, d.model.config)), 1)
     # Never more than the pool: a request that needs more is refused before its lease is looked at.
     return min({"full": full, "none": 0, "small": max(0, need - 1)}[spec.extra["lease"]], pool.num_blocks)
@@ -134,7 +147,8 @@ def decode_verdict(raw: bytes, spec: Spec, cluster, num_blocks: int, push_attemp
     if r.sampling.max_tokens < 1:
         bad.append("max_tokens")
     bad += id_violations(r.prompt_ids, cfg.vocab_size, cfg.max_position - 1, "prompt_ids")
-    bad += id_violations(r.output_ids, cfg.vocab_size, cfg.max_position - len(r.prompt_ids), "output_ids")
+    if r.output_ids or not r.prefill_here:  # colocated, a new request has no completion yet
+        bad += id_violations(r.output_ids, cfg.vocab_size, cfg.max_position - len(r.prompt_ids), "output_ids")
     if not (math.isfinite(r.kv_wait_s) and r.kv_wait_s >= 0):
         bad.append("kv_wait_s")  # "> 0"; 0 (unset) is taken as the worker's default
     if r.epoch != d.epoch:
@@ -146,11 +160,16 @@ def decode_verdict(raw: bytes, spec: Spec, cluster, num_blocks: int, push_attemp
     if pool.blocks_for(max_seq_tokens(r, cfg)) > pool.num_blocks:
         return Verdict({"RESOURCE_EXHAUSTED"}, why="can outgrow the whole KV pool", request=r), CALL_TIMEOUT_S, False
     # "Refused with FAILED_PRECONDITION unless Redis holds a live reservation ... for the request".
-    if num_blocks < pool.blocks_for(len(r.prompt_ids) + len(r.output_ids)):
+    if num_blocks < pool.blocks_for(held_tokens(r)):
         hint = "no live reservation" if num_blocks == 0 else f"reserved {num_blocks} KV blocks"
         return Verdict({"FAILED_PRECONDITION"}, (hint,), f"a lease of {num_blocks} blocks", r,
                        hint_code="FAILED_PRECONDITION"), CALL_TIMEOUT_S, False
-    if spec.extra["with_kv"] and push_attempt == r.attempt:
+    pushed = spec.extra["with_kv"] and push_attempt == r.attempt
+    if r.prefill_here:
+        # An attempt is pushed or prefilled here, never both: its pushed K/V is dropped.
+        return ((Verdict({"INVALID_ARGUMENT"}, ("prefill_here",), "pushed and prefill_here", r), CALL_TIMEOUT_S, True)
+                if pushed else (Verdict({"OK"}, why="valid, prefilled here", request=r), CALL_TIMEOUT_S, False))
+    if pushed:
         if spec.extra["kv_tokens"] != len(r.prompt_ids):
             return Verdict({"INVALID_ARGUMENT"}, ("tokens",), "KV of another length", r), CALL_TIMEOUT_S, True
         return Verdict({"OK"}, why="valid, with its KV", request=r), CALL_TIMEOUT_S, True
