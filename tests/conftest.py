@@ -3,6 +3,7 @@ and tiny random Llama checkpoints written as HF folders and as GGUF files."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 import time
 from pathlib import Path
@@ -55,6 +56,17 @@ def wait_idle(cluster, timeout_s: float = 15.0) -> None:
 
 
 # --------------------------------------------------------------------------- SmolLM2 (the packaged GGUF)
+
+def native_kernels():
+    """The decode kernels built for this CPU; the test is skipped where no C compiler is (the engine then
+    runs its torch paths), and fails where one is but the build did not succeed."""
+    from common.engine import native
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: decode runs its torch paths here")
+    k = native.kernel()
+    assert k is not None, "the kernels did not build although a compiler is there: see the log"
+    return k
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:

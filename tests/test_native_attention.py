@@ -14,17 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from common.engine import native
+from tests.conftest import native_kernels
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2's shape
-
-
-def _kernel() -> native.DecodeKernels:
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler: the engine runs its eager attention path here")
-    k = native.kernel()
-    assert k is not None, "the kernel did not build although a compiler is there: see the log"
-    return k
 
 
 def _case(dtype, lens: list[int], seed: int = 0):
@@ -65,7 +58,7 @@ def _run(k, q, kv, tables, lens):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_the_kernel_computes_what_the_eager_path_does(dtype, atol):
-    k = _kernel()
+    k = native_kernels()
     lens = [1, 2, 15, 16, 17, 64, 100, 333, 1030]
     q, kv, tables, lens_t = _case(dtype, lens)
     got = _run(k, q, kv, tables, lens_t)
@@ -82,7 +75,7 @@ def test_the_kernel_computes_what_the_eager_path_does(dtype, atol):
 def test_a_row_is_the_same_bits_alone_in_a_batch_split_between_threads_and_moved(dtype, monkeypatch):
     """Invariant 4 for the kernel: neither the other rows, nor the thread split, nor where the row's
     blocks lie changes a bit of its output."""
-    k = _kernel()
+    k = native_kernels()
     lens = [5, 700, 64, 65, 1, 300, 129, 17] * 4  # 32 rows: a batch large enough to split
     q, kv, tables, lens_t = _case(dtype, lens, seed=1)
     monkeypatch.setattr(native, "SPLIT_MIN_WORK", 1 << 62)
@@ -112,7 +105,7 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_split_between_threads_and_moved
 def test_non_finite_values_outside_a_row_do_not_reach_it():
     """Blocks a row does not own may hold anything (a previous owner's K/V, a rejected push): the
     kernel reads positions 0 .. len-1 only."""
-    k = _kernel()
+    k = native_kernels()
     q, kv, tables, lens_t = _case(torch.bfloat16, [20, 40])
     clean = _run(k, q, kv, tables, lens_t)
     poisoned = kv.clone()

@@ -14,17 +14,10 @@ import pytest
 import torch
 
 from common.engine import native
+from tests.conftest import native_kernels
 
 GROUP = 32
 XQ_MAX = 32767.0
-
-
-def _kernel() -> native.DecodeKernels:
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler: decode runs torch's int4 kernel here")
-    k = native.kernel()
-    assert k is not None, "the kernels did not build although a compiler is there: see the log"
-    return k
 
 
 def _q4_weight(out_features: int, in_features: int, seed: int = 0):
@@ -52,7 +45,7 @@ def _quant_error_bound(x: torch.Tensor, dense: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_q4_is_the_files_weights_times_x_within_the_quantization_error(dtype):
-    k = _kernel()
+    k = native_kernels()
     codes, d, m, dense = _q4_weight(102, 576)  # 102 outputs: the last quad is padded
     packed = native.pack_q4(codes, d, m)
     gen = torch.Generator().manual_seed(1)
@@ -70,7 +63,7 @@ def test_q4_is_the_files_weights_times_x_within_the_quantization_error(dtype):
 
 
 def test_q8_is_codes_times_scales_times_x():
-    k = _kernel()
+    k = native_kernels()
     gen = torch.Generator().manual_seed(2)
     codes = torch.randint(-127, 128, (1001, 576), dtype=torch.int8, generator=gen)
     scales = torch.rand(1001, generator=gen) * 0.01 + 1e-4
@@ -87,7 +80,7 @@ def test_q8_is_codes_times_scales_times_x():
 def test_a_row_is_the_same_bits_whatever_the_batch_and_the_threads(dtype):
     """Invariant 4 at its root for the matmuls: batches of 1 to 32 rows (every tile shape: 3, 2 and 1 rows)
     and 1 or 2 threads give each row the bits it gets alone on one thread."""
-    k = _kernel()
+    k = native_kernels()
     codes, d, m, _ = _q4_weight(200, 1536, seed=3)
     packed = native.pack_q4(codes, d, m)
     head, head_scales = native.pack_q8(torch.randint(-127, 128, (500, 1536), dtype=torch.int8),
@@ -114,7 +107,7 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_threads(dtype):
 
 def test_x_rows_of_a_wider_tensor_are_read_in_place():
     """x may be a view with a row stride (a slice of qkv, say): the same result as a contiguous copy."""
-    k = _kernel()
+    k = native_kernels()
     codes, d, m, _ = _q4_weight(64, 576, seed=5)
     packed = native.pack_q4(codes, d, m)
     wide = torch.randn(4, 1000)
@@ -124,7 +117,7 @@ def test_x_rows_of_a_wider_tensor_are_read_in_place():
 def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row():
     """A non-finite activation must not be quantized away into a plausible number: the row's outputs are
     NaN, as a float product's would be; the other rows keep their bits."""
-    k = _kernel()
+    k = native_kernels()
     codes, d, m, _ = _q4_weight(40, 576, seed=6)
     packed = native.pack_q4(codes, d, m)
     x = torch.randn(3, 576)
@@ -138,7 +131,7 @@ def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row():
 
 
 def test_bad_arguments_are_refused_with_a_reason():
-    k = _kernel()
+    k = native_kernels()
     codes, d, m, _ = _q4_weight(8, 64)
     packed = native.pack_q4(codes, d, m)
     with pytest.raises(ValueError, match="fp32 or bf16"):
@@ -156,7 +149,7 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
     the same order as this host's native one: a worker's tokens do not depend on which build it runs."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    k = _kernel()
+    k = native_kernels()
     other_path = tmp_path / f"decode_kernels-{march}.so"
     native._compile(native._compiler(None), [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS],
                     other_path)
@@ -176,7 +169,7 @@ def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dt
     call per kernel from Python) computes the same hidden states, logits and cache writes."""
     from common.engine.runner import DecodeItem, PrefillItem
 
-    _kernel()
+    native_kernels()
     runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True)
     model = runner.model
     assert model.native_layers is not None, "the int4 layers did not get the one-call path"

@@ -305,16 +305,17 @@ def test_no_worker_is_503():
 def test_deadline_is_504_and_mid_stream_an_error_event(cluster, client):
     rid = f"late-{time.monotonic_ns()}"
     with pytest.raises(openai.APIStatusError) as err:
-        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=300, extra_body={"ignore_eos": True},
+        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=900, extra_body={"ignore_eos": True},
                                   extra_headers={"X-Request-Timeout": "1.5", "X-Request-Id": rid})
     assert err.value.status_code == 504 and err.value.body["code"] == "timeout"
     wait_state(cluster, rid, RequestState.CANCELLED)  # as a gRPC deadline leaves it
     # Past the first token the status is sent: the stream ends with an error event, never a clean end.
     chunks = []
     with pytest.raises(openai.APIError, match="deadline"):
-        for chunk in client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=300, stream=True,
+        # 900 tokens take 3 s even at 300 tokens/s (the KV pool holds them in fp32 too): the deadline comes first.
+        for chunk in client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=900, stream=True,
                                                extra_body={"ignore_eos": True},
-                                               extra_headers={"X-Request-Timeout": "4"}):
+                                               extra_headers={"X-Request-Timeout": "2"}):
             chunks.append(chunk)
     assert chunks, "the deadline passed before the first token: the mid-stream path was not taken"
     bad = raw(cluster, "POST", "/v1/completions", json_body={"prompt": PROMPT}, headers={"X-Request-Timeout": "soon"})

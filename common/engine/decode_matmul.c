@@ -39,6 +39,8 @@
 #define MATMUL_AVX2 1
 #endif
 
+#include "decode_bf16.h"
+
 #define GROUP 32
 #define QUAD 4
 #define Q4_RECORD 80 /* bytes of one block of a quad: 4 x 16 codes, 4 d, 4 m */
@@ -89,21 +91,6 @@ static inline float half_to_float(uint16_t h) { /* exact, subnormals included */
 #endif
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* One row of x, [in] fp32 or bf16 -> xq, and per block sx and sum(x). Each row alone: its quantization
  * never depends on the other rows. */
 static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, float *sx, float *sumx) {
@@ -111,7 +98,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, flo
         float v[GROUP], amax = 0.0f, sum = 0.0f;
         for (int i = 0; i < GROUP; i++) {
             const int64_t k = b * GROUP + i;
-            v[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
             const float a = fabsf(v[i]);
             if (a > amax) amax = a;
             sum += v[i];
@@ -171,7 +158,7 @@ static void store(const job_t *j, int64_t row, int64_t quad, const float lanes[Q
         float v = sum8(lanes[t]);
         if (j->w.format == FORMAT_Q4) v += offset[t];
         else v *= j->w.scale[o];
-        if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = float_to_bf16(v);
+        if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = f32_to_bf16(v);
         else ((float *)j->y)[row * j->y_stride + o] = v;
     }
 }

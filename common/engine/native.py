@@ -119,9 +119,12 @@ def cache_dir() -> Path:
     return Path(base) / "handoff" / "native"
 
 
+HEADERS = [Path(__file__).with_name("decode_bf16.h")]  # included by the sources, part of the build key
+
+
 def _build_key(compiler: str) -> str:
     h = hashlib.sha256()
-    for source in _sources():
+    for source in [*_sources(), *HEADERS]:
         h.update(source.read_bytes())
     h.update(" ".join([compiler, *FLAGS, platform.machine(), *sorted(cpu_flags())]).encode())
     return h.hexdigest()[:16]
