@@ -37,6 +37,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MATMUL_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define MATMUL_AVX512 1 /* two outputs a 16-lane register: the AVX2 path's lanes and order, half the work */
+#endif
 #endif
 
 #include "decode_bf16.h"
@@ -91,32 +94,69 @@ static inline float half_to_float(uint16_t h) { /* exact, subnormals included */
 #endif
 }
 
+static inline float sum8(const float *l) { /* a fixed tree over the 8 lanes */
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
 /* One row of x, [in] fp32 or bf16 -> xq, and per block sx and sum(x). Each row alone: its quantization
- * never depends on the other rows. */
+ * never depends on the other rows. A block's sum has one fixed order, the one 8-lane vectors give: lane l
+ * adds inputs l, 8 + l, 16 + l and 24 + l in turn, then sum8's tree over the lanes. */
 static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, float *sx, float *sumx) {
     for (int64_t b = 0; b < in / GROUP; b++) {
-        float v[GROUP], amax = 0.0f, sum = 0.0f;
+        float lanes[8], amax = 0.0f;
+#ifdef MATMUL_AVX2
+        __m256 v[4], sum = _mm256_setzero_ps(), top = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int c = 0; c < 4; c++) {
+            const int64_t k = b * GROUP + 8 * c;
+            v[c] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                _mm_loadu_si128((const __m128i *)((const uint16_t *)x + k))), 16))
+                          : _mm256_loadu_ps((const float *)x + k);
+            sum = c ? _mm256_add_ps(sum, v[c]) : v[c];
+            top = _mm256_max_ps(_mm256_and_ps(v[c], abs_mask), top); /* a NaN is passed over, as below */
+        }
+        _mm256_storeu_ps(lanes, sum);
+        float tops[8];
+        _mm256_storeu_ps(tops, top);
+        for (int l = 0; l < 8; l++) amax = tops[l] > amax ? tops[l] : amax;
+#else
+        float v[GROUP];
         for (int i = 0; i < GROUP; i++) {
             const int64_t k = b * GROUP + i;
             v[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
             const float a = fabsf(v[i]);
             if (a > amax) amax = a;
-            sum += v[i];
         }
+        for (int l = 0; l < 8; l++) lanes[l] = ((v[l] + v[8 + l]) + v[16 + l]) + v[24 + l];
+#endif
+        const float sum_x = sum8(lanes);
         /* A NaN or an infinity in the block makes its scale NaN, so that every output it reaches is NaN,
-         * as a float product's would be, instead of a quantized zero hiding it. */
-        const float s = isfinite(sum) ? amax / XQ_MAX : NAN;
+         * as a float product's would be, instead of a quantized zero hiding it. (With a finite sum every
+         * element is finite, so the largest |x| above never met a NaN.) */
+        const float s = isfinite(sum_x) ? amax / XQ_MAX : NAN;
         sx[b] = s;
-        sumx[b] = sum;
-        for (int i = 0; i < GROUP; i++) {
-            const float q = s > 0.0f ? rintf(v[i] / s) : 0.0f; /* rintf: to nearest even */
-            xq[b * GROUP + i] = (int16_t)(q > XQ_MAX ? XQ_MAX : q < -XQ_MAX ? -XQ_MAX : q == q ? q : 0.0f);
+        sumx[b] = sum_x;
+        int16_t *q = xq + b * GROUP;
+        if (!(s > 0.0f)) { /* all zeros, or not finite */
+            memset(q, 0, GROUP * sizeof *q);
+            continue;
         }
+#ifdef MATMUL_AVX2
+        const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(XQ_MAX), lo = _mm256_set1_ps(-XQ_MAX);
+        __m256i n[4];
+        for (int c = 0; c < 4; c++) /* the same IEEE division and round-to-nearest-even as rintf(v / s) */
+            n[c] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
+                _mm256_round_ps(_mm256_div_ps(v[c], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi));
+        for (int c = 0; c < 4; c += 2) /* packs interleaves 128-bit halves; the permute puts them back */
+            _mm256_storeu_si256((__m256i *)(q + 8 * c),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(n[c], n[c + 1]), 0xd8));
+#else
+        for (int i = 0; i < GROUP; i++) {
+            const float r = rintf(v[i] / s); /* rintf: to nearest even */
+            q[i] = (int16_t)(r > XQ_MAX ? XQ_MAX : r < -XQ_MAX ? -XQ_MAX : r);
+        }
+#endif
     }
-}
-
-static inline float sum8(const float *l) { /* a fixed tree over the 8 lanes */
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
 static inline int64_t quads(const weight_t *w) { return (w->out + QUAD - 1) / QUAD; }
@@ -269,6 +309,95 @@ static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {      
     }                                                                                                  \
 }
 #endif
+#ifdef MATMUL_AVX512
+/* The same sums with two outputs of the quad in one 16-lane register: lanes 0-7 output 2p, lanes 8-15
+ * output 2p + 1, each lane l the AVX2 path's lane l (inputs 2l, 2l + 1 by one product, 16 + 2l, 17 + 2l by
+ * the other, summed exactly in int32), scaled and accumulated by the same single-rounding steps in the
+ * same block order: the same bits, with a fused product-sum (VNNI) where the CPU has one. */
+static inline __attribute__((always_inline)) void pair_codes(const int format, const uint8_t *rec, int p,
+                                                               __m512i *lo, __m512i *hi) {
+    if (format == FORMAT_Q4) { /* outputs 2p, 2p + 1: 32 code bytes, each input j and j + 16 */
+        const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 * p)));
+        *lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f));
+        *hi = _mm512_srli_epi16(q, 4);
+    } else { /* two outputs' 32 int8 codes each: inputs 0-15 of both, then 16-31 of both */
+        const uint8_t *a = rec + 64 * p, *b = a + 32;
+        *lo = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)), _mm_loadu_si128((const __m128i *)b), 1));
+        *hi = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 16))),
+            _mm_loadu_si128((const __m128i *)(b + 16)), 1));
+    }
+}
+
+/* The pair's per-output factor of the block scale: d (q4, fp16 in the record), 1 (q8). */
+static inline __attribute__((always_inline)) __m512 pair_d(const int format, const uint8_t *rec, int p) {
+    if (format != FORMAT_Q4) return _mm512_set1_ps(1.0f);
+    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 64))); /* the quad's 4 d */
+    const __m512 dd = _mm512_castps128_ps512(d);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
+                                                   2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                                   2 * p + 1, 2 * p + 1), dd);
+}
+
+#define DEFINE_TILE512(NAME, FMT, RT)                                                                  \
+static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
+    const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
+    __m512 acc[RT][2];                                                                                 \
+    for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                          \
+    const uint8_t *rec = record(&j->w, quad, 0);                                                       \
+    const int64_t size = FMT == FORMAT_Q4 ? Q4_RECORD : Q8_RECORD;                                     \
+    for (int64_t b = 0; b < blocks; b++, rec += size) {                                                \
+        __m512i lo[2], hi[2];                                                                          \
+        __m512 d[2];                                                                                   \
+        for (int p = 0; p < 2; p++) {                                                                  \
+            pair_codes(FMT, rec, p, &lo[p], &hi[p]);                                                   \
+            d[p] = pair_d(FMT, rec, p);                                                                \
+        }                                                                                              \
+        for (int r = 0; r < RT; r++) {                                                                 \
+            const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                                     \
+            const __m512i xlo = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xq));      \
+            const __m512i xhi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + 16))); \
+            const __m512 sx = _mm512_set1_ps(j->sx[(r0 + r) * blocks + b]);                            \
+            for (int p = 0; p < 2; p++) {                                                              \
+                const __m512i sum = DPWSSD(_mm512_madd_epi16(lo[p], xlo), hi[p], xhi);                 \
+                const __m512 scale = FMT == FORMAT_Q4 ? _mm512_mul_ps(d[p], sx) : sx;                  \
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r][p]);                \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int r = 0; r < RT; r++) {                                                                     \
+        float lanes[QUAD][8];                                                                          \
+        for (int p = 0; p < 2; p++) {                                                                  \
+            _mm256_storeu_ps(lanes[2 * p], _mm512_castps512_ps256(acc[r][p]));                        \
+            _mm256_storeu_ps(lanes[2 * p + 1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][p]), 1)));                  \
+        }                                                                                              \
+        store(j, r0 + r, quad, lanes);                                                                 \
+    }                                                                                                  \
+}
+#ifdef __AVX512VNNI__
+#define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+/* 32 vector registers: up to 16 accumulators (8 rows x 2 output pairs), the quad's codes and d, one
+ * row's x, temporaries. */
+#define TILE_ROWS 8
+#define DEFINE_TILES(NAME, FMT)                                                                        \
+DEFINE_TILE512(NAME, FMT, 8)                                                                           \
+DEFINE_TILE512(NAME, FMT, 4)                                                                           \
+DEFINE_TILE512(NAME, FMT, 2)                                                                           \
+DEFINE_TILE512(NAME, FMT, 1)                                                                           \
+static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {                             \
+    for (int64_t q = q_begin; q < q_end; q++) {                                                        \
+        int64_t r = 0;                                                                                 \
+        for (; r + 8 <= j->rows; r += 8) tile_##NAME##_8(j, r, q); /* a quad's codes unpacked once for 8 rows */ \
+        if (j->rows - r >= 4) { tile_##NAME##_4(j, r, q); r += 4; }                                    \
+        if (j->rows - r >= 2) { tile_##NAME##_2(j, r, q); r += 2; }                                    \
+        if (j->rows - r == 1) tile_##NAME##_1(j, r, q);                                                \
+    }                                                                                                  \
+}
+#else
 /* 16 vector registers: up to 12 accumulators (3 rows x 4 outputs), one output's codes, temporaries. */
 #define DEFINE_TILES(NAME, FMT)                                                                        \
 DEFINE_TILE(NAME, FMT, 3)                                                                              \
@@ -282,6 +411,7 @@ static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {      
         else if (j->rows - r == 1) tile_##NAME##_1(j, r, q);                                           \
     }                                                                                                  \
 }
+#endif
 DEFINE_TILES(q4, FORMAT_Q4)
 DEFINE_TILES(q8, FORMAT_Q8)
 
@@ -334,6 +464,7 @@ static int matmul(weight_t w, const void *x, int x_bf16, int64_t x_stride, int64
         return -ENOMEM;
     }
     const size_t elem = x_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, w.in, xq + r * w.in, sx + r * blocks,
                      sx + (rows + r) * blocks);
