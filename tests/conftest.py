@@ -91,11 +91,12 @@ def smollm2_model(smollm2_weights):
     """A factory of our Llama over the session's weights, one per (dtype, int4): models hold no state."""
     cache: dict = {}
 
-    def get(dtype: torch.dtype = torch.float32, int4: bool = False) -> Llama:
-        key = (dtype, int4)
+    def get(dtype: torch.dtype = torch.float32, int4: bool = False, native_matmuls: bool | None = None) -> Llama:
+        key = (dtype, int4, native_matmuls)
         if key not in cache:
             w = smollm2_weights
-            model = Llama(w.config, w.tensors, dtype=dtype, int4=w.int4 if int4 else None)
+            model = Llama(w.config, w.tensors, dtype=dtype, int4=w.int4 if int4 else None,
+                          native_matmuls=native_matmuls)
             model.weights_id = w.weights_id
             cache[key] = model
         return cache[key]
@@ -105,11 +106,12 @@ def smollm2_model(smollm2_weights):
 
 @pytest.fixture(scope="session")
 def make_runner(smollm2_model):
-    """make_runner(num_blocks, dtype=fp32, block_size=16, int4_decode=False) → a ModelRunner with a fresh cache."""
+    """make_runner(num_blocks, dtype=fp32, block_size=16, int4_decode=False, native_matmuls=None) → a
+    ModelRunner with a fresh cache (native_matmuls: see Llama; None picks by the CPU, as a worker does)."""
 
     def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, block_size: int = 16,
-             int4_decode: bool = False) -> ModelRunner:
-        model = smollm2_model(dtype, int4=int4_decode)
+             int4_decode: bool = False, native_matmuls: bool | None = None) -> ModelRunner:
+        model = smollm2_model(dtype, int4=int4_decode, native_matmuls=native_matmuls)
         assert not int4_decode or model.has_int4, "the int4 path needs bf16 and a Q4 GGUF"
         cache = KVCache(model.config, num_blocks, block_size, dtype)
         return ModelRunner(model, cache, int4_decode)

@@ -21,6 +21,27 @@ def test_auto_picks_bf16_only_with_native_bf16(flags, expected):
     assert ("natively" in why) == (expected == torch.bfloat16)
 
 
+@pytest.mark.parametrize("flags,native", [
+    ({"avx2", "fma"}, True),                                        # torch's int4 kernel 10-20x slower at 8-32 rows
+    ({"avx2", "avx512f", "avx512_vnni"}, True),
+    ({"avx2", "avx512f", "avx512_bf16"}, False),                    # torch's kernel multiplies bf16 natively
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, False),
+])
+def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, native):
+    from common.engine import native as native_lib
+    from common.engine.hardware import auto_native_matmuls
+    use, why = auto_native_matmuls(frozenset(flags))
+    assert use is native and why
+    monkeypatch.delenv(native_lib.ENV_MATMUL, raising=False)
+    assert native_lib.matmuls_enabled()[0] is auto_native_matmuls()[0]
+    for value, expected in (("1", True), ("on", True), ("0", False), ("off", False), ("auto", auto_native_matmuls()[0])):
+        monkeypatch.setenv(native_lib.ENV_MATMUL, value)
+        assert native_lib.matmuls_enabled()[0] is expected, value
+    monkeypatch.setenv(native_lib.ENV_MATMUL, "fast")
+    with pytest.raises(ValueError, match="HANDOFF_NATIVE_MATMUL='fast': use 1"):
+        native_lib.matmuls_enabled()
+
+
 def test_auto_on_this_machine_follows_its_flags_and_says_why(caplog):
     native = {"avx512_bf16", "amx_bf16"} & cpu_flags()
     with caplog.at_level("INFO", logger="common.engine.runner"):

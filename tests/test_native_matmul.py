@@ -170,7 +170,7 @@ def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dt
     from common.engine.runner import DecodeItem, PrefillItem
 
     native_kernels()
-    runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True)
+    runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True, native_matmuls=True)
     model = runner.model
     assert model.native_layers is not None, "the int4 layers did not get the one-call path"
     gen = torch.Generator().manual_seed(8)

@@ -42,3 +42,16 @@ def auto_dtype(device: str | torch.device = "cpu", flags: frozenset[str] | None 
     shown = [f for f in REPORTED_FLAGS if f in flags]
     return torch.float32, (f"the CPU has no {' / '.join(NATIVE_BF16_FLAGS)}: bf16 would be emulated "
                            f"(flags: {', '.join(shown) or 'unknown'})")
+
+
+def auto_native_matmuls(flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """Whether decode's packed-weight matmuls should run in decode_matmul.c (else torch's int4 kernel and
+    torch._int_mm), and why. Where the CPU multiplies bf16 natively, torch's int4 kernel dequantizes a tile
+    to bf16 once for all rows and multiplies with the bf16 dot instructions: on the avx512_bf16 VM it
+    decoded 8 and 32 streams 1.7x faster than ours and one stream ~10 % slower (docs/benchmarks.md).
+    Without them it is 10-20x slower at 8-32 rows (and 5x at one), so ours runs there."""
+    flags = cpu_flags() if flags is None else flags
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if native:
+        return False, f"torch's int4 kernel: the CPU multiplies bf16 natively ({', '.join(native)})"
+    return True, f"decode_matmul.c: the CPU has no {' / '.join(NATIVE_BF16_FLAGS)}"

@@ -7,6 +7,7 @@ decode are two entry points of the same weights.
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from common.engine import native
 from common.engine.config import ModelConfig
 from common.engine.weights import release_freed_pages
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -164,7 +167,10 @@ class Llama(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 int4: dict | None = None):
+                 int4: dict | None = None, native_matmuls: bool | None = None):
+        """native_matmuls: the packed weights through decode_matmul.c, else through torch's int4 kernel and
+        torch._int_mm (None: as HANDOFF_NATIVE_MATMUL says, by default by the CPU); attention and the
+        row-wise ops are native either way, where the library builds."""
         super().__init__()
         self.config = c = config
         self.dtype = dtype
@@ -186,10 +192,16 @@ class Llama(torch.nn.Module):
         self.kernels = kernels if kernels is not None and kernels.supports(
             dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) else None
 
+        if native_matmuls is None:
+            native_matmuls, why = native.matmuls_enabled()
+            if self.kernels is not None and self.has_int4:
+                log.info("decode's packed-weight matmuls: %s", why)
+        matmul_kernels = self.kernels if native_matmuls else None
+
         def w4(*names: str) -> Int4Linear | None:
             if not self.has_int4 or any(n not in int4 for n in names):
                 return None
-            return Int4Linear([int4[n] for n in names], device, self.kernels)
+            return Int4Linear([int4[n] for n in names], device, matmul_kernels)
 
         self.embed = w("model.embed_tokens.weight")  # [V, dim]
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
@@ -198,7 +210,7 @@ class Llama(torch.nn.Module):
         self.lm_head_fp32 = None if dtype == torch.float32 else head_fp32
         # Decode's LM head: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
         # REFINE_TOP logits of every row are then recomputed exactly in fp32.
-        self.lm_head_int8 = Int8Linear(head_fp32, device, self.kernels)
+        self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels)
         del head_fp32
         release_freed_pages()
         self.final_norm = w32("model.norm.weight")

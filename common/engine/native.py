@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.engine.hardware import cpu_flags
+from common.engine.hardware import auto_native_matmuls, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-sh
 # For a library built on one machine and run on others (an image): AVX2 + FMA, which every host here has.
 PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLAGS]
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
+# 1: the packed weights go through decode_matmul.c; 0: through torch's int4 kernel (and the int8 head
+# through torch._int_mm), attention and the row-wise ops staying native; auto (unset): by the CPU
+# (hardware.auto_native_matmuls).
+ENV_MATMUL = "HANDOFF_NATIVE_MATMUL"
 ENV_CACHE = "HANDOFF_NATIVE_CACHE"
 ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of building one
 # Below this much work ((row, KV head) items times the longest context) one thread does it all. The split
@@ -294,9 +298,26 @@ class DecodeKernels:
 
 
 @functools.cache
+def _off(variable: str) -> bool:
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def matmuls_enabled() -> tuple[bool, str]:
+    """Whether decode's packed-weight matmuls use this library, and why (HANDOFF_NATIVE_MATMUL, else by
+    the CPU). Raises ValueError on a value it does not know."""
+    value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False, f"torch's int4 kernel ({ENV_MATMUL}={value})"
+    if value in ("1", "true", "yes", "on"):
+        return True, f"decode_matmul.c ({ENV_MATMUL}={value})"
+    if value in ("", "auto"):
+        return auto_native_matmuls()
+    raise ValueError(f"{ENV_MATMUL}={value!r}: use 1 (decode_matmul.c), 0 (torch's int4 kernel) or auto")
+
+
 def kernel() -> DecodeKernels | None:
     """This process's kernels, built on first call; None where it is switched off or cannot be built."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _off(ENV_SWITCH):
         log.info("decode: eager path (%s=0)", ENV_SWITCH)
         return None
     try:
