@@ -297,7 +297,6 @@ class DecodeKernels:
         return out
 
 
-@functools.cache
 def _off(variable: str) -> bool:
     return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
 
@@ -315,6 +314,7 @@ def matmuls_enabled() -> tuple[bool, str]:
     raise ValueError(f"{ENV_MATMUL}={value!r}: use 1 (decode_matmul.c), 0 (torch's int4 kernel) or auto")
 
 
+@functools.cache
 def kernel() -> DecodeKernels | None:
     """This process's kernels, built on first call; None where it is switched off or cannot be built."""
     if _off(ENV_SWITCH):
