@@ -382,7 +382,6 @@ static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {      
 #endif
 /* 32 vector registers: up to 16 accumulators (8 rows x 2 output pairs), the quad's codes and d, one
  * row's x, temporaries. */
-#define TILE_ROWS 8
 #define DEFINE_TILES(NAME, FMT)                                                                        \
 DEFINE_TILE512(NAME, FMT, 8)                                                                           \
 DEFINE_TILE512(NAME, FMT, 4)                                                                           \

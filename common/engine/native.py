@@ -297,17 +297,20 @@ class DecodeKernels:
         return out
 
 
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
 def _off(variable: str) -> bool:
-    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+    return os.environ.get(variable, "1").strip().lower() in _OFF
 
 
 def matmuls_enabled() -> tuple[bool, str]:
     """Whether decode's packed-weight matmuls use this library, and why (HANDOFF_NATIVE_MATMUL, else by
     the CPU). Raises ValueError on a value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
-    if value in ("0", "false", "no", "off"):
+    if value in _OFF:
         return False, f"torch's int4 kernel ({ENV_MATMUL}={value})"
-    if value in ("1", "true", "yes", "on"):
+    if value in _ON:
         return True, f"decode_matmul.c ({ENV_MATMUL}={value})"
     if value in ("", "auto"):
         return auto_native_matmuls()
