@@ -76,15 +76,28 @@ def test_kill_decode_worker_while_streamed_pushes_are_in_flight(procs):
     victim = "decode-0"
     threads, results = run_many(procs.router_address, specs, "kill-streamed")
     deadline = time.monotonic() + 60
-    target = None
-    while target is None:
-        assert time.monotonic() < deadline, "no request prefilled for the victim"
+
+    def prefilling_for_victim() -> list[str]:
+        found = []
         for rid in procs.state.reservations(victim):
             record = procs.state.get_request(rid)
             if record and record["state"] == RequestState.PREFILLING and record.get("prefill_worker"):
-                target = rid
-        time.sleep(0.02)
-    time.sleep(0.4)  # into its prefill: the push is open and its first segments are on their way
+                found.append(rid)
+        return found
+
+    # Kill while a Prefill headed for the victim is still running: a fixed delay after it started overshot
+    # on fast hosts (the prefills were done and the kill only cut decode steps), so the target is checked
+    # again just before the kill and the search goes on if its prefill ended in between.
+    target = None
+    while target is None:
+        assert time.monotonic() < deadline, "no prefill for the victim was caught in progress"
+        candidates = prefilling_for_victim()
+        if candidates:
+            time.sleep(0.05)  # into its prefill: the push is open and its first segments are on their way
+            still = set(prefilling_for_victim())
+            target = next((rid for rid in candidates if rid in still), None)
+        if target is None:
+            time.sleep(0.01)
     t_kill = procs.kill(victim)
     join(threads)
     procs.restart(victim)
