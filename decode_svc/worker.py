@@ -269,18 +269,20 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
                                  f"KV of {rid} refused: the request's Decode call ended, or its KV already arrived")
         if not w.inbox.accepting(key):
             raise cancelled
-        # Into the paged pool now, counted like a running sequence's blocks (the lease made room).
-        refused = w.engine.park(key, kv, list(header.prefix_hashes)).result(timeout=w.config.kv_wait_s)
+        # Into the paged pool now, counted like a running sequence's blocks (the lease made room). The
+        # engine thread tells the inbox the moment it is placed, so a Decode already waiting for it is
+        # submitted then and joins the next step, instead of the one after it.
+        num_tokens = len(header.prefix_hashes) * w.engine.pool.block_size + receiver.num_tokens
+        refused = w.engine.park(key, kv, list(header.prefix_hashes),
+                                claim=lambda: w.inbox.arrived(key, num_tokens)).result(timeout=w.config.kv_wait_s)
         del kv
+        if refused is not None and refused.code == "unclaimed":
+            raise cancelled
         if refused is not None:
             metrics.KV_FAILURES.labels(wid, refused.code).inc()
             # A prefix evicted since CachedPrefix answered: the sender pushes it all again.
             code = grpc.StatusCode.ABORTED if refused.code == "evicted" else grpc.StatusCode.RESOURCE_EXHAUSTED
             raise ServiceError(code, f"KV of {rid} refused: {refused}")
-        prefix_tokens = len(header.prefix_hashes) * w.engine.pool.block_size
-        if not w.inbox.arrived(key, prefix_tokens + receiver.num_tokens):
-            w.engine.cancel(key)
-            raise cancelled
         return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)
 
     def _admit(self, header: internal_pb2.KVHeader) -> None:

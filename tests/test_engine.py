@@ -431,6 +431,29 @@ def test_resume_from_parked_kv_replays_the_completion(make_engine, prompts, serv
         assert sinks[name].token_ids == solo[name][k:], name
 
 
+def test_a_claimed_park_joins_the_next_step_and_an_unclaimed_one_is_freed(make_engine, prompts, serving):
+    """The decode worker's handoff: the claim runs on the engine thread as the K/V is placed, so the
+    Decode it submits decodes in that same step (its second token after one step, not two); a claim
+    that says nobody wants the K/V any more frees it at once."""
+    kw, solo = serving
+    name, (ids, params) = next(iter(_mixed_requests(prompts).items()))
+    prefill = make_engine(num_blocks=256, prefill_only=True, **kw)
+    decode = make_engine(num_blocks=256, **kw)
+    exported = generate(prefill, {name: (ids, params)}, output_ids=solo[name][:1])[name].events[-1]
+    sinks = Sinks()
+    claimed = decode.park(name, exported.kv, claim=lambda: decode.submit(
+        name, ids, params, sinks.sink(name), output_ids=solo[name][:1], parked=True) or True)
+    unclaimed = decode.park("nobody", exported.kv, claim=lambda: False)
+    decode.step()
+    assert claimed.result(timeout=0) is None
+    assert unclaimed.result(timeout=0).code == "unclaimed"
+    assert sinks[name].token_ids == solo[name][1:2]  # decoded in the step that placed it
+    assert decode.num_parked == 0
+    run_until_done(decode, sinks)
+    assert sinks[name].token_ids == solo[name][1:]
+    assert_all_free(decode)
+
+
 def test_preemption_recomputes_same_tokens_in_the_serving_dtype(make_engine, prompts, serving, caplog):
     kw, solo = serving
     reqs = _mixed_requests(prompts)

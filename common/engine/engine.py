@@ -53,7 +53,8 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class ParkRefused:
-    """Why park() did not place K/V: code is one of duplicate, evicted, too_big, no_room, stopped."""
+    """Why park() did not place K/V: code is one of duplicate, evicted, too_big, no_room, stopped,
+    unclaimed (its claim said nobody wants it any more: freed at once)."""
 
     code: str
     message: str
@@ -172,15 +173,20 @@ class Engine:
         self._inbox.put(("submit", seq))
         self._wake.set()
 
-    def park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes] = ()
-             ) -> "concurrent.futures.Future[ParkRefused | None]":
+    def park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes] = (),
+             claim: Callable[[], bool] | None = None) -> "concurrent.futures.Future[ParkRefused | None]":
         """Place a prompt's K/V ([layers, 2, tokens, Hkv, D]) in the pool under seq_id, for a later
         submit(parked=True); with prefix_hashes, kv holds only the tokens after those blocks, which
         must be in this pool's prefix cache. The future gives None once placed, or why it was refused
         (the pool has no room now, or could never hold it, the prefix was evicted, the id is taken).
-        cancel(seq_id) frees it."""
+        cancel(seq_id) frees it.
+
+        `claim`, if given, is called on the engine thread as soon as the K/V is placed (keep it short):
+        False means nobody wants it any more, and it is freed at once (ParkRefused "unclaimed"). A
+        submit(parked=True) that claim makes joins the very step that follows the placing; submitted
+        from another thread after the future resolves, it would wait for the end of that step."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("park", (seq_id, kv, list(prefix_hashes), done)))
+        self._inbox.put(("park", (seq_id, kv, list(prefix_hashes), claim, done)))
         self._wake.set()
         return done
 
@@ -291,7 +297,7 @@ class Engine:
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def _park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes],
+    def _park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes], claim: Callable[[], bool] | None,
               done: concurrent.futures.Future) -> None:
         prefix = self.pool.match_prefix(prefix_hashes)
         start = len(prefix_hashes) * self.pool.block_size
@@ -311,6 +317,20 @@ class Engine:
             self.pool.allocate(seq_id, num_tokens, prefix)
             self.runner.cache.import_seq(seq_id, kv, start)
             self._parked[seq_id] = (num_tokens, time.monotonic(), prefix_hashes)
+            # The claim's submit lands in self._inbox, which the drain running now empties next: the
+            # sequence is admitted into this iteration's step.
+            try:
+                wanted = claim is None or claim()
+            except Exception as exc:  # noqa: BLE001 - a failing claim must not stop the engine thread
+                log.exception("claim of the K/V parked for %s failed", seq_id)
+                wanted, why = False, f"its claim failed: {exc}"
+            else:
+                why = "nobody claims it any more (its Decode call ended, or its K/V had already come)"
+            if not wanted:
+                if seq_id in self._parked:  # a claim may have cancelled it itself
+                    self._unpark(seq_id)
+                done.set_result(ParkRefused("unclaimed", f"K/V for {seq_id!r} freed: {why}"))
+                return
             done.set_result(None)
 
     def _unpark(self, seq_id: str) -> None:
