@@ -431,6 +431,42 @@ def test_resume_from_parked_kv_replays_the_completion(make_engine, prompts, serv
         assert sinks[name].token_ids == solo[name][k:], name
 
 
+def test_a_prefill_worker_runs_the_shortest_prompt_next_and_never_starves_a_long_one(make_engine, prompts):
+    """prefill_only: one chunk a step, of the prompt with the fewest tokens left, so a short prompt that
+    comes during a long one's prefill gets its first token after one chunk; a prompt passed over for a
+    budget's worth of chunks runs next. First tokens and K/V are those of each prompt prefilled alone."""
+    chunk = 8
+    cfg = dict(num_blocks=64, block_size=BLOCK, prefill_only=True, prefill_chunk_tokens=chunk,
+               max_prefill_tokens=2 * chunk)  # passed over twice: runs next
+    long_ids, short_ids = prompts["d"], prompts["b"]
+    assert len(long_ids) > 4 * chunk and len(short_ids) <= chunk
+    solo = {name: generate(make_engine(**cfg), {name: (ids, GREEDY)})[name].events[-1]
+            for name, ids in (("long", long_ids), ("short", short_ids))}
+    engine = make_engine(**cfg)
+    sinks = Sinks()
+    engine.submit("long", long_ids, GREEDY, sinks.sink("long"))
+    engine.step()
+    for name in ("s1", "s2", "s3"):
+        engine.submit(name, short_ids, GREEDY, sinks.sink(name))
+    order = []  # what each step ran: a short prompt (its first token), or a chunk of the long one
+    for _ in range(20):
+        if all(c.done for c in sinks.values()):
+            break
+        before = {name: c.done for name, c in sinks.items()}
+        long_computed = engine._seqs["long"].num_computed if "long" in engine._seqs else None
+        engine.step()
+        order += [name for name, c in sinks.items() if c.done and not before[name] and name != "long"]
+        if "long" in engine._seqs and engine._seqs["long"].num_computed != long_computed or sinks["long"].done \
+                and not before["long"]:
+            order.append("long")
+    assert order[:4] == ["s1", "s2", "long", "s3"], order  # s1 and s2 first; then the long one, overdue
+    assert all(sinks[name].done for name in sinks)
+    for name, ref in (("long", solo["long"]), *((s, solo["short"]) for s in ("s1", "s2", "s3"))):
+        got = sinks[name].events[-1]
+        assert got.token_ids == ref.token_ids and torch.equal(got.kv, ref.kv), name
+    assert_all_free(engine)
+
+
 def test_a_claimed_park_joins_the_next_step_and_an_unclaimed_one_is_freed(make_engine, prompts, serving):
     """The decode worker's handoff: the claim runs on the engine thread as the K/V is placed, so the
     Decode it submits decodes in that same step (its second token after one step, not two); a claim

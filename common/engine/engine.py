@@ -78,6 +78,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full-chunk blocks
     num_registered: int = 0  # of those, blocks already named in the pool (their chunk is computed)
     num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
+    passed_over: int = 0  # prefill_only: chunks of other prompts run in a row while this one waited
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     # prefill_only: called (start, end, K/V of positions start .. end-1) as the prompt's K/V is ready: a
@@ -393,44 +394,68 @@ class Engine:
         return blocks[:len(blocks) // per_chunk * per_chunk]
 
     def _prefill_chunks(self) -> bool:
-        """Run prompt chunks, oldest sequence first, up to the token budget (at least one chunk); a
+        """Run prompt chunks up to the token budget (at least one chunk), oldest sequence first; a
         sequence whose last chunk ran gets its first token (the prompt alone, even for a resumed
-        sequence: its completion is replayed by decode rows). Sampling is row-invariant, so a first
-        token does not depend on what ran with it, or when.
+        sequence: its completion is replayed by decode rows), at the end of the pass with the others':
+        the decode step that gives their second tokens comes only after the whole pass, and a first
+        token that came early would only make its gap to the second one longer. Sampling is
+        row-invariant, so a first token does not depend on what ran with it, or when.
 
-        prefill_only, a first token goes out at once, before the next prompt's chunks run: its K/V
-        push then overlaps their compute. Otherwise at the end of the pass, with the others': the
-        decode step that gives their second tokens comes only after the whole pass, and a first token
-        that came early would only make its gap to the second one longer."""
+        prefill_only, one chunk a step (_prefill_next_chunk)."""
+        if self.config.prefill_only:
+            return self._prefill_next_chunk()
         budget = self.config.max_prefill_tokens
-        chunk = self.hasher.chunk_tokens
         ran = False
         done: list[tuple[Sequence, torch.Tensor, torch.Tensor]] = []  # (seq, logits, last hidden state)
         for seq in list(self.prefilling):
             logits = hidden = None
-            n = len(seq.prompt_ids)
-            while seq.num_computed < n and (budget > 0 or not ran):
-                start = seq.num_computed
-                end = min(start // chunk * chunk + chunk, n)
-                logits = self.runner.prefill([PrefillItem(seq.seq_id, seq.prompt_ids[start:end], start)])
-                hidden = self.runner.last_hidden
-                seq.num_computed = end
-                budget -= end - start
+            while seq.num_computed < len(seq.prompt_ids) and (budget > 0 or not ran):
+                n, logits, hidden = self._run_chunk(seq)
+                budget -= n
                 ran = True
-                self._register(seq)
-                if seq.kv_sink is not None and end < n:  # the last chunk's waits for the first token
-                    seq.kv_sink(start, end, self.runner.cache.export_seq(seq.seq_id, end, start))
-            if seq.num_computed == n:
+            if seq.num_computed == len(seq.prompt_ids):
                 self.prefilling.remove(seq)
-                if self.config.prefill_only:
-                    self._first_token(seq, logits, hidden)
-                else:
-                    done.append((seq, logits, hidden))
+                done.append((seq, logits, hidden))
             if budget <= 0:
                 break
         for seq, logits, hidden in done:
             self._first_token(seq, logits, hidden)
         return ran
+
+    def _prefill_next_chunk(self) -> bool:
+        """A prefill worker's step: one chunk, of the prompt with the fewest tokens left, so that a short
+        prompt that comes while a long one prefills waits for one chunk, not for the whole prompt (its
+        first token, and its push, go out at once). A prompt passed over for a budget's worth of chunks
+        (max_prefill_tokens / chunk) runs next whatever its length: a long prompt is never starved. The
+        chunks are the same either way (fixed positions, one prompt a call), so are the bits."""
+        if not self.prefilling:
+            return False
+        limit = max(1, self.config.max_prefill_tokens // self.hasher.chunk_tokens)
+        overdue = [s for s in self.prefilling if s.passed_over >= limit]
+        # min() keeps the first of equals: the oldest, among prompts with as many tokens left.
+        seq = overdue[0] if overdue else min(self.prefilling, key=lambda s: len(s.prompt_ids) - s.num_computed)
+        for other in self.prefilling:
+            other.passed_over = 0 if other is seq else other.passed_over + 1
+        _, logits, hidden = self._run_chunk(seq)
+        if seq.num_computed == len(seq.prompt_ids):
+            self.prefilling.remove(seq)
+            # Out at once, before the next prompt's chunks run: its K/V push overlaps their compute.
+            self._first_token(seq, logits, hidden)
+        return True
+
+    def _run_chunk(self, seq: Sequence) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Prefill seq's next chunk (its K/V into the cache): the tokens computed, and the logits and
+        hidden state of the chunk's last position."""
+        chunk, n = self.hasher.chunk_tokens, len(seq.prompt_ids)
+        start = seq.num_computed
+        end = min(start // chunk * chunk + chunk, n)
+        logits = self.runner.prefill([PrefillItem(seq.seq_id, seq.prompt_ids[start:end], start)])
+        hidden = self.runner.last_hidden
+        seq.num_computed = end
+        self._register(seq)
+        if seq.kv_sink is not None and end < n:  # the last chunk's waits for the first token
+            seq.kv_sink(start, end, self.runner.cache.export_seq(seq.seq_id, end, start))
+        return end - start, logits, hidden
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """A prompt is prefilled: sample its first token (none for a resumed sequence), hand it out, and
