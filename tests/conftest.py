@@ -91,7 +91,7 @@ def smollm2_model(smollm2_weights):
     """A factory of our Llama over the session's weights, one per (dtype, int4): models hold no state."""
     cache: dict = {}
 
-    def get(dtype: torch.dtype = torch.float32, int4: bool = False, native_matmuls: bool | None = None) -> Llama:
+    def get(dtype: torch.dtype = torch.float32, int4: bool = False, native_matmuls: bool | str | None = None) -> Llama:
         key = (dtype, int4, native_matmuls)
         if key not in cache:
             w = smollm2_weights
@@ -110,7 +110,7 @@ def make_runner(smollm2_model):
     ModelRunner with a fresh cache (native_matmuls: see Llama; None picks by the CPU, as a worker does)."""
 
     def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, block_size: int = 16,
-             int4_decode: bool = False, native_matmuls: bool | None = None) -> ModelRunner:
+             int4_decode: bool = False, native_matmuls: bool | str | None = None) -> ModelRunner:
         model = smollm2_model(dtype, int4=int4_decode, native_matmuls=native_matmuls)
         assert not int4_decode or model.has_int4, "the int4 path needs bf16 and a Q4 GGUF"
         cache = KVCache(model.config, num_blocks, block_size, dtype)

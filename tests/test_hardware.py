@@ -21,25 +21,27 @@ def test_auto_picks_bf16_only_with_native_bf16(flags, expected):
     assert ("natively" in why) == (expected == torch.bfloat16)
 
 
-@pytest.mark.parametrize("flags,native", [
-    ({"avx2", "fma"}, True),                                        # torch's int4 kernel 10-20x slower at 8-32 rows
-    ({"avx2", "avx512f", "avx512_vnni"}, True),
-    ({"avx2", "avx512f", "avx512_bf16"}, False),                    # torch's kernel multiplies bf16 natively
-    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, False),
+@pytest.mark.parametrize("flags,mode", [
+    ({"avx2", "fma"}, "int"),                          # torch's int4 kernel 10-20x slower at 8-32 rows
+    ({"avx2", "avx512f", "avx512_vnni"}, "int"),
+    ({"avx2", "avx512f", "avx512_bf16"}, "bf16dot"),   # the bf16 dot instruction: a tile dequantized once
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bf16dot"),
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "int"),  # the kernel is built for AVX512_BF16, not AMX
 ])
-def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, native):
+def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, mode):
     from common.engine import native as native_lib
-    from common.engine.hardware import auto_native_matmuls
-    use, why = auto_native_matmuls(frozenset(flags))
-    assert use is native and why
+    from common.engine.hardware import auto_matmuls
+    picked, why = auto_matmuls(frozenset(flags))
+    assert picked == mode and why
     monkeypatch.delenv(native_lib.ENV_MATMUL, raising=False)
-    assert native_lib.matmuls_enabled()[0] is auto_native_matmuls()[0]
-    for value, expected in (("1", True), ("on", True), ("0", False), ("off", False), ("auto", auto_native_matmuls()[0])):
+    assert native_lib.matmuls_mode()[0] == auto_matmuls()[0]
+    for value, expected in (("1", "int"), ("on", "int"), ("int", "int"), ("bf16", "bf16dot"), ("0", "torch"),
+                            ("off", "torch"), ("auto", auto_matmuls()[0])):
         monkeypatch.setenv(native_lib.ENV_MATMUL, value)
-        assert native_lib.matmuls_enabled()[0] is expected, value
+        assert native_lib.matmuls_mode()[0] == expected, value
     monkeypatch.setenv(native_lib.ENV_MATMUL, "fast")
     with pytest.raises(ValueError, match="HANDOFF_NATIVE_MATMUL='fast': use 1"):
-        native_lib.matmuls_enabled()
+        native_lib.matmuls_mode()
 
 
 def test_auto_on_this_machine_follows_its_flags_and_says_why(caplog):

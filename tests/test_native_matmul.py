@@ -163,15 +163,17 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
         assert torch.equal(other.q8_matmul(x, head, head_scales, 44), k.q8_matmul(x, head, head_scales, 44)), dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype):
+@pytest.mark.parametrize("dtype,matmuls", [(torch.float32, "int"), (torch.bfloat16, "int"),
+                                           (torch.bfloat16, "bf16dot")], ids=["fp32", "bf16", "bf16-bf16dot"])
+def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype, matmuls):
     """decode_layers.c runs every layer of a decode step in one call; the model's per-op path (one native
     call per kernel from Python) computes the same hidden states, logits and cache writes."""
     from common.engine.runner import DecodeItem, PrefillItem
 
-    native_kernels()
-    runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True, native_matmuls=True)
+    (_bf16dot_kernels if matmuls == "bf16dot" else native_kernels)()
+    runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True, native_matmuls=matmuls)
     model = runner.model
+    assert model.bf16dot == (matmuls == "bf16dot")
     assert model.native_layers is not None, "the int4 layers did not get the one-call path"
     gen = torch.Generator().manual_seed(8)
     for i, n in enumerate((1, 30, 77)):
@@ -189,3 +191,75 @@ def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dt
         model.native_layers = layers
     assert torch.equal(runner.last_hidden, hidden) and torch.equal(per_op, one_call)
     assert torch.equal(runner.cache.kv, kv_after)
+
+
+def _bf16dot_kernels() -> native.DecodeKernels:
+    k = native_kernels()
+    if not k.has_bf16dot:
+        pytest.skip("this build has no bf16 dot kernel (the CPU has no AVX512_BF16)")
+    return k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q4_by_the_bf16_dot_is_the_files_weights_times_x_within_bf16_rounding(dtype):
+    """The bf16 dot kernel rounds each dequantized weight (d * q + m) and each activation to bf16 (2^-9 of
+    each at most) and sums their products in fp32, as torch's int4 kernel does: within 2^-8 of
+    sum |x| |w|, and the same bits for an fp32 x as for that x rounded to bf16 first."""
+    k = _bf16dot_kernels()
+    codes, d, m, dense = _q4_weight(102, 576)  # the last quad padded
+    packed = native.pack_q4(codes, d, m)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
+    x[2, 40] = 300.0
+    y = k.q4_matmul(x, packed, 102, bf16dot=True)
+    assert y.shape == (7, 102) and y.dtype == dtype
+    exact = x.double().numpy() @ dense.T
+    scale = np.abs(x.double().numpy()) @ np.abs(dense).T
+    bound = scale * (2.0 ** -8 + 1e-5) + 1e-6 + (np.abs(exact) / 128 if dtype == torch.bfloat16 else 0)  # bf16 out
+    err = np.abs(y.double().numpy() - exact)
+    assert (err <= bound).all(), f"worst error {err.max():.3g} against its bound {bound.flat[err.argmax()]:.3g}"
+    if dtype == torch.float32:
+        assert torch.equal(y, k.q4_matmul(x.to(torch.bfloat16).float(), packed, 102, bf16dot=True))
+        # the weights as the kernel rounds them, times x as it rounds it: only fp32 sums are left
+        w_bf16 = torch.from_numpy(dense).float().to(torch.bfloat16).double().numpy()
+        x_bf16 = x.to(torch.bfloat16).double().numpy()
+        assert (np.abs(y.double().numpy() - x_bf16 @ w_bf16.T) <= scale * 1e-5 + 1e-6).all()
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        k.q4_matmul(torch.randn(2, 48), packed, 8, bf16dot=True)
+
+
+def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads():
+    """Invariant 4 for the bf16 dot kernel: up to 4 rows the weights are dequantized in registers, above
+    that once into a buffer for every row; either way, and on 1 or 2 threads, a row gets its bits alone."""
+    k = _bf16dot_kernels()
+    codes, d, m, _ = _q4_weight(200, 1536, seed=3)
+    packed = native.pack_q4(codes, d, m)
+    gen = torch.Generator().manual_seed(4)
+    rows = (torch.randn(32, 1536, generator=gen) * 3).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [k.q4_matmul(rows[i:i + 1], packed, 200, bf16dot=True) for i in range(32)]
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for bsz in (2, 3, 4, 5, 13, 32):
+                idx = torch.randperm(32, generator=gen)[:bsz]
+                y = k.q4_matmul(rows[idx], packed, 200, bf16dot=True)
+                for r, i in enumerate(idx.tolist()):
+                    assert torch.equal(y[r], alone[i][0]), f"row {i} differs at batch {bsz}, {n_threads} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_q4_by_the_bf16_dot_carries_a_nan_or_inf_to_its_row_only():
+    k = _bf16dot_kernels()
+    codes, d, m, _ = _q4_weight(40, 576, seed=6)
+    packed = native.pack_q4(codes, d, m)
+    x = torch.randn(3, 576)
+    clean = k.q4_matmul(x, packed, 40, bf16dot=True)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x_bad = x.clone()
+        x_bad[1, 17] = bad
+        y = k.q4_matmul(x_bad, packed, 40, bf16dot=True)
+        assert not torch.isfinite(y[1]).any(), bad
+        assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])

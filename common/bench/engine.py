@@ -618,6 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [1, 8] if q else [1, 8, 32]
     steps, warmup = (16, 4) if q else (64, 8)
     t_start = time.perf_counter()
+    from common.engine import native
     from common.engine.hardware import auto_dtype, reported_flags
     from common.engine.runner import DTYPE_NAMES
 
@@ -626,7 +627,8 @@ def main(argv: list[str] | None = None) -> None:
     log(f"dtype {args.dtype}{' (auto)' if asked == 'auto' else ''}, {args.threads} threads, "
         f"sections {sorted(sections)}{' (quick)' if q else ''}")
     print(json.dumps({"name": "machine", "cpu_flags": reported_flags(), "dtype": args.dtype,
-                      "dtype_asked": asked, "why": auto_dtype()[1], "threads": args.threads}), flush=True)
+                      "dtype_asked": asked, "why": auto_dtype()[1], "threads": args.threads,
+                      "decode_matmuls": native.matmuls_mode()[1]}), flush=True)
     emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
 
     probes = start_memory_probes(args.dtype, args.threads) if "memory" in sections else {}

@@ -51,7 +51,7 @@
 #define XQ_MAX 32767.0f
 #define SPLIT_QUADS 2  /* quads are split between threads in multiples of this */
 
-enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1 };
+enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1, FORMAT_Q4_BF16DOT = 2 };
 
 typedef struct {
     int format;
@@ -65,6 +65,7 @@ typedef struct {
     const int16_t *xq; /* [rows, in]: x / sx, rounded */
     const float *sx;   /* [rows, in / 32] */
     const float *sumx; /* [rows, in / 32]: the exact fp32 sum of each block of x */
+    const uint16_t *xb; /* q4 by the bf16 dot: [rows, in], x in bf16 */
     int64_t rows;
     void *y;           /* [rows, y_stride] of fp32 or bf16 */
     int64_t y_stride;
@@ -162,7 +163,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, flo
 static inline int64_t quads(const weight_t *w) { return (w->out + QUAD - 1) / QUAD; }
 
 static inline const uint8_t *record(const weight_t *w, int64_t quad, int64_t b) {
-    const int64_t size = w->format == FORMAT_Q4 ? Q4_RECORD : Q8_RECORD;
+    const int64_t size = w->format == FORMAT_Q8 ? Q8_RECORD : Q4_RECORD;
     return w->packed + (quad * (w->in / GROUP) + b) * size;
 }
 
@@ -414,7 +415,85 @@ static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {      
 DEFINE_TILES(q4, FORMAT_Q4)
 DEFINE_TILES(q8, FORMAT_Q8)
 
+#if defined(MATMUL_AVX512) && defined(__AVX512BF16__)
+#define MATMUL_BF16DOT 1
+/* q4 with the bf16 dot instruction (q4_matmul_bf16dot, where the CPU has AVX512_BF16): a weight block is
+ * dequantized once, w = d * q + m in fp32 rounded to bf16, and every row's bf16 x multiplied with it by
+ * vdpbf16ps into 16 fp32 lanes per (row, output) (lane l: inputs 2l, 2l + 1; blocks in order), then
+ * _mm512_reduce_add_ps's fixed tree. The numerics of torch's int4 kernel (bf16 activations and weights,
+ * fp32 sums), about one instruction per 32 products a row against the integer path's 2.5, since the
+ * per-block scaling is in the weights and not in every row's sum. A (row, output)'s operations and their
+ * order do not depend on the rows beside it or on where the dequantized block was kept (registers for a
+ * few rows, a buffer reused by many): invariant 4. */
+static inline __attribute__((always_inline)) __m512bh dequant_bf16(const uint8_t *rec, int t) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rec + 16 * t)));
+    const __m512 d = _mm512_set1_ps(half_to_float(((const uint16_t *)(rec + 64))[t]));
+    const __m512 m = _mm512_set1_ps(half_to_float(((const uint16_t *)(rec + 72))[t]));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0f))), d, m);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+    return _mm512_cvtne2ps_pbh(hi, lo); /* lanes 0-15: inputs 0-15 (the low nibbles), 16-31: inputs 16-31 */
+}
+
+static inline void store_bf16dot(const job_t *j, int64_t row, int64_t quad, int t, __m512 acc) {
+    const int64_t o = quad * QUAD + t;
+    if (o >= j->w.out) return; /* the last quad's padding */
+    const float v = _mm512_reduce_add_ps(acc);
+    if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = f32_to_bf16(v);
+    else ((float *)j->y)[row * j->y_stride + o] = v;
+}
+
+/* Rows r0 .. r0 + RT - 1 against a quad: weights dequantized in registers (few rows) or read back from
+ * `buf` [blocks, 4, 32] bf16, the quad dequantized once for all rows. */
+#define DEFINE_TILE_BF16DOT(RT)                                                                        \
+static void tile_bf16dot_##RT(const job_t *j, int64_t r0, int64_t quad, const __m512bh *buf) {        \
+    const int64_t blocks = j->w.in / GROUP;                                                            \
+    __m512 acc[RT][QUAD];                                                                              \
+    for (int r = 0; r < RT; r++)                                                                       \
+        for (int t = 0; t < QUAD; t++) acc[r][t] = _mm512_setzero_ps();                                \
+    const uint8_t *rec = record(&j->w, quad, 0);                                                       \
+    for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                           \
+        __m512bh w[QUAD];                                                                              \
+        for (int t = 0; t < QUAD; t++) w[t] = buf ? buf[b * QUAD + t] : dequant_bf16(rec, t);          \
+        for (int r = 0; r < RT; r++) {                                                                 \
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(j->xb + (r0 + r) * j->w.in + b * GROUP);   \
+            for (int t = 0; t < QUAD; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[t], x);           \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int r = 0; r < RT; r++)                                                                       \
+        for (int t = 0; t < QUAD; t++) store_bf16dot(j, r0 + r, quad, t, acc[r][t]);                   \
+}
+DEFINE_TILE_BF16DOT(4)
+DEFINE_TILE_BF16DOT(3)
+DEFINE_TILE_BF16DOT(2)
+DEFINE_TILE_BF16DOT(1)
+
+static int quads_bf16dot(const job_t *j, int64_t q_begin, int64_t q_end) {
+    const int64_t blocks = j->w.in / GROUP;
+    __m512bh *buf = NULL;
+    if (j->rows > 4 && !(buf = aligned_alloc(64, (size_t)(blocks * QUAD) * sizeof *buf))) return -ENOMEM;
+    for (int64_t q = q_begin; q < q_end; q++) {
+        if (buf) {
+            const uint8_t *rec = record(&j->w, q, 0);
+            for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD)
+                for (int t = 0; t < QUAD; t++) buf[b * QUAD + t] = dequant_bf16(rec, t);
+        }
+        int64_t r = 0;
+        for (; r + 4 <= j->rows; r += 4) tile_bf16dot_4(j, r, q, buf);
+        switch (j->rows - r) {
+        case 3: tile_bf16dot_3(j, r, q, buf); break;
+        case 2: tile_bf16dot_2(j, r, q, buf); break;
+        case 1: tile_bf16dot_1(j, r, q, buf); break;
+        }
+    }
+    free(buf);
+    return 0;
+}
+#endif
+
 static int run_quads(const job_t *j, int64_t q_begin, int64_t q_end) {
+#ifdef MATMUL_BF16DOT
+    if (j->w.format == FORMAT_Q4_BF16DOT) return quads_bf16dot(j, q_begin, q_end);
+#endif
     if (j->w.format == FORMAT_Q4) quads_q4(j, q_begin, q_end);
     else quads_q8(j, q_begin, q_end);
     return 0;
@@ -467,7 +546,7 @@ static int matmul(weight_t w, const void *x, int x_bf16, int64_t x_stride, int64
     for (int64_t r = 0; r < rows; r++)
         quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, w.in, xq + r * w.in, sx + r * blocks,
                      sx + (rows + r) * blocks);
-    job_t j = {w, xq, sx, sx + rows * blocks, rows, y, y_stride, y_bf16};
+    job_t j = {w, xq, sx, sx + rows * blocks, NULL, rows, y, y_stride, y_bf16};
     const int err = run(&j, threads);
     free(xq);
     free(sx);
@@ -486,4 +565,33 @@ int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const i
               int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
     weight_t w = {FORMAT_Q8, (const uint8_t *)packed, scale, out, in};
     return matmul(w, x, x_bf16, x_stride, rows, y, y_bf16, y_stride, threads);
+}
+
+/* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by the bf16 dot instruction (MATMUL_BF16DOT above): x
+ * rounded to bf16 (to nearest even, as torch's conversion) where it is fp32. -ENOSYS where this build has
+ * no AVX512_BF16. */
+int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
+                      int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+#ifdef MATMUL_BF16DOT
+    if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
+    if (!rows) return 0;
+    uint16_t *xb = NULL;
+    if (!x_bf16 || x_stride != in) {
+        if (!(xb = malloc((size_t)(rows * in) * sizeof *xb))) return -ENOMEM;
+#pragma omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1) schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t k = 0; k < in; k++)
+                xb[r * in + k] = x_bf16 ? ((const uint16_t *)x)[r * x_stride + k]
+                                        : f32_to_bf16(((const float *)x)[r * x_stride + k]);
+    }
+    job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, NULL, NULL, xb ? xb : (const uint16_t *)x,
+               rows, y, y_stride, y_bf16};
+    const int err = run(&j, threads);
+    free(xb);
+    return err;
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
+        (void)y_stride, (void)threads;
+    return -ENOSYS;
+#endif
 }

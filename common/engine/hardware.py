@@ -44,14 +44,15 @@ def auto_dtype(device: str | torch.device = "cpu", flags: frozenset[str] | None 
                            f"(flags: {', '.join(shown) or 'unknown'})")
 
 
-def auto_native_matmuls(flags: frozenset[str] | None = None) -> tuple[bool, str]:
-    """Whether decode's packed-weight matmuls should run in decode_matmul.c (else torch's int4 kernel and
-    torch._int_mm), and why. Where the CPU multiplies bf16 natively, torch's int4 kernel dequantizes a tile
-    to bf16 once for all rows and multiplies with the bf16 dot instructions: on the avx512_bf16 VM it
-    decoded 8 and 32 streams 1.7x faster than ours and one stream ~10 % slower (docs/benchmarks.md).
-    Without them it is 10-20x slower at 8-32 rows (and 5x at one), so ours runs there."""
+def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """How decode's packed-weight matmuls should run (native.matmuls_mode's modes), and why. Where the CPU
+    has AVX512_BF16, decode_matmul.c's bf16 dot kernel: it dequantizes a weight block to bf16 once for all
+    rows and multiplies with the bf16 dot instruction, as torch's int4 kernel does, and the layer stack
+    stays one native call. On the avx512_bf16 VM it decoded one stream 1.55x, 8 streams 1.35x and 32
+    streams 1.31x as fast as torch's kernel, which was 1.7x the integer kernel from 8 streams on
+    (docs/benchmarks.md). Without it, the integer kernel: torch's int4 kernel is 10-20x slower at 8-32
+    rows there (and 5x at one)."""
     flags = cpu_flags() if flags is None else flags
-    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
-    if native:
-        return False, f"torch's int4 kernel: the CPU multiplies bf16 natively ({', '.join(native)})"
-    return True, f"decode_matmul.c: the CPU has no {' / '.join(NATIVE_BF16_FLAGS)}"
+    if "avx512_bf16" in flags:
+        return "bf16dot", "decode_matmul.c, the bf16 dot instruction: the CPU has avx512_bf16"
+    return "int", f"decode_matmul.c, integer products: the CPU has no avx512_bf16"

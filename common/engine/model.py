@@ -126,14 +126,16 @@ class Int4Linear:
     """A weight in the model file's 4-bit blocks: w = q * d + m per 32 inputs (GGUF Q4_0 / Q4_1).
 
     With the native kernels (decode_matmul.c) it stays in the file's layout, fp16 d and m exact, and the
-    product takes the activations in fp32: the same weights as the dense path, dequantized per block on
-    the fly, every row's sums in a fixed order. Without them it is packed for torch's CPU int4 kernel
+    product takes the activations as 16-bit integers per block (the integer kernel) or in bf16 (bf16dot:
+    the bf16 dot kernel, CPUs with AVX512_BF16): the same weights as the dense path, every row's sums in a
+    fixed order. Without them it is packed for torch's CPU int4 kernel
     (bf16 activations, bf16 scales and zeros), which is also row-invariant but rounds more, and at 8-32
     rows was 10-20x slower here (an AVX2 host).
     """
 
-    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None):
+    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None, bf16dot: bool = False):
         codes = np.concatenate([p.codes for p in parts])  # [out, in] 0..15
+        self.bf16dot = bf16dot
         scales = np.concatenate([p.scales for p in parts])
         mins = np.concatenate([p.mins for p in parts])
         self.group = parts[0].GROUP
@@ -153,7 +155,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.q4_matmul(x, self.packed, self.out_features)
+            return self.kernels.q4_matmul(x, self.packed, self.out_features, self.bf16dot)
         if x.dtype != torch.bfloat16:  # an fp32 model: the kernel's fast path is bf16 in, bf16 out
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros).to(x.dtype)
@@ -167,10 +169,11 @@ class Llama(torch.nn.Module):
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 int4: dict | None = None, native_matmuls: bool | None = None):
-        """native_matmuls: the packed weights through decode_matmul.c, else through torch's int4 kernel and
-        torch._int_mm (None: as HANDOFF_NATIVE_MATMUL says, by default by the CPU); attention and the
-        row-wise ops are native either way, where the library builds."""
+                 int4: dict | None = None, native_matmuls: bool | str | None = None):
+        """native_matmuls: how the packed weights are multiplied, one of native.MATMUL_MODES ("int":
+        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "torch": torch's int4
+        kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by default by the CPU);
+        attention and the row-wise ops are native either way, where the library builds."""
         super().__init__()
         self.config = c = config
         self.dtype = dtype
@@ -192,16 +195,26 @@ class Llama(torch.nn.Module):
         self.kernels = kernels if kernels is not None and kernels.supports(
             dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) else None
 
-        if native_matmuls is None:
-            native_matmuls, why = native.matmuls_enabled()
+        mode = {True: "int", False: "torch"}.get(native_matmuls, native_matmuls)
+        if mode is None:
+            mode, why = native.matmuls_mode()
             if self.kernels is not None and self.has_int4:
                 log.info("decode's packed-weight matmuls: %s", why)
-        matmul_kernels = self.kernels if native_matmuls else None
+        if mode not in native.MATMUL_MODES:
+            raise ValueError(f"native_matmuls={native_matmuls!r}: use one of {native.MATMUL_MODES}, True or False")
+        if mode == "bf16dot" and self.kernels is not None and not self.kernels.has_bf16dot:
+            # A library built for another CPU (an image's portable AVX2 build): torch's int4 kernel has the
+            # same kind of numerics and multiplies bf16 natively where this kernel would have.
+            log.warning("decode's packed-weight matmuls: the native library has no bf16 dot kernel (it was not "
+                        "built for this CPU's AVX512_BF16); using torch's int4 kernel instead")
+            mode = "torch"
+        self.bf16dot = mode == "bf16dot" and self.kernels is not None
+        matmul_kernels = self.kernels if mode != "torch" else None
 
         def w4(*names: str) -> Int4Linear | None:
             if not self.has_int4 or any(n not in int4 for n in names):
                 return None
-            return Int4Linear([int4[n] for n in names], device, matmul_kernels)
+            return Int4Linear([int4[n] for n in names], device, matmul_kernels, self.bf16dot)
 
         self.embed = w("model.embed_tokens.weight")  # [V, dim]
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
@@ -300,7 +313,7 @@ class Llama(torch.nn.Module):
             # The same layers in one native call (the per-op path below, on the same kernels, bit for bit).
             native_ops.decode_layers(h, self.native_layers, kv, self.cos, self.sin, positions, ctx.slot_mapping,
                                      ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size, c.num_heads,
-                                     c.head_dim, c.intermediate_size, c.rms_norm_eps)
+                                     c.head_dim, c.intermediate_size, c.rms_norm_eps, self.bf16dot)
             return F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
         if native_ops is None:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
