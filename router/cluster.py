@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     p.add_argument("--remote-prefill-max-queue-ratio", type=float,
                    default=RouterConfig.remote_prefill_max_queue_ratio,
                    help="conditional: prefill on the decode worker a prompt that would queue behind more than "
-                        "this many times its length on the prefill worker (0 = off)")
+                        "this many times its length in prompts no longer than it on the prefill worker (0 = off)")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 when colocated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--port", type=int, default=50051, help="the router's Generate port")

@@ -38,9 +38,9 @@ class RouterConfig:
     # decoding stream 34-61 ms instead of the whole prefill (124-183 ms at 32-64 tokens, 2.3 s at 1,024).
     remote_prefill_min_tokens: int = 64
     # Conditional: a prompt that would wait behind more than this many times its own length in prompt tokens
-    # (this router's, on the least loaded prefill worker) is prefilled on its decode worker instead, so a
-    # short prompt does not queue behind long documents (Dynamo's prefill-queue limit, in tokens). At 3, a
-    # remote TTFT stays within about 4x of the prompt's own prefill. 0 = prompt length alone decides.
+    # (this router's, on the least loaded prefill worker, in prompts no longer than it: a prefill worker runs
+    # the shortest first) is prefilled on its decode worker instead (Dynamo's prefill-queue limit, in
+    # tokens). At 3, a remote TTFT stays within about 4x of the prompt's own prefill. 0 = length alone.
     remote_prefill_max_queue_ratio: float = 3.0
     # ... but only a prompt of at most this many tokens: a longer one prefilled on the decode worker stops its
     # streams for seconds (measured: one 1,536-token prompt placed there made all 5 requests of a point miss
@@ -114,7 +114,8 @@ class RouterConfig:
         cli.add_flag(p, "--remote-prefill-max-queue-ratio", "HANDOFF_REMOTE_PREFILL_MAX_QUEUE_RATIO",
                      RouterConfig.remote_prefill_max_queue_ratio,
                      "conditional: prefill on the decode worker a prompt that would queue behind more than "
-                     "this many times its length in prompt tokens on the least loaded prefill worker (0 = off)",
+                     "this many times its length in prompts no longer than it on the least loaded prefill worker "
+                     "(0 = off)",
                      float)
         cli.add_flag(p, "--remote-prefill-queue-max-tokens", "HANDOFF_REMOTE_PREFILL_QUEUE_MAX_TOKENS",
                      RouterConfig.remote_prefill_queue_max_tokens,

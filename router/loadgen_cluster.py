@@ -52,7 +52,8 @@ def modes(remote_prefill_min_tokens: int,
     p0 = WorkerSpec("prefill", "prefill-0", "0", 1)
     d1 = WorkerSpec("decode", "decode-0", "1", 1)
     cond = (f"conditional (prompts >= {remote_prefill_min_tokens} tokens prefilled remotely"
-            + (f", unless more than {remote_prefill_max_queue_ratio:g}x their length is queued there)"
+            + (f", unless more than {remote_prefill_max_queue_ratio:g}x their length is queued there in prompts no"
+               " longer than them)"
                if remote_prefill_max_queue_ratio else ")"))
     return {m.name: m for m in (
         Mode("disaggregated", "disaggregated", (p0, d1), "1 prefill (core 0) + 1 decode (core 1), 1 thread each"),

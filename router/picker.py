@@ -48,9 +48,10 @@ class WorkerPicker:
         self._queue_slots = threading.BoundedSemaphore(max_queued)
         self._lock = threading.Lock()
         self._prefill_load: Counter[str] = Counter()  # requests this router has in flight per prefill worker
-        # Prompt tokens this router has sent to each prefill worker whose first token has not come back:
-        # its prefill queue, as far as this router knows (conditional placement reads it).
-        self._prefill_tokens: Counter[str] = Counter()
+        # The prompts (their lengths in tokens, with how many of each) this router has sent to each prefill
+        # worker whose first token has not come back: its prefill queue, as far as this router knows
+        # (conditional placement reads it).
+        self._prefill_queue: dict[str, Counter[int]] = {}
         self._warned: set[str] = set()
 
     def _live(self, role: str, exclude: Excluded) -> list[WorkerInfo]:
@@ -187,26 +188,32 @@ class WorkerPicker:
                     out[wid] = n * chunk
         return out
 
-    async def prefill_backlog(self, exclude: Excluded = frozenset()) -> int | None:
-        """Prompt tokens queued on the least loaded live prefill worker (this router's requests whose first
-        token has not come back); None when no prefill worker this request may use is registered."""
+    async def prefill_backlog(self, num_tokens: int, exclude: Excluded = frozenset()) -> int | None:
+        """Prompt tokens a prompt of num_tokens would wait for on the least loaded live prefill worker: this
+        router's queued prompts there (first token not back yet) of at most num_tokens, since a prefill
+        worker runs the prompt with the fewest tokens left first (Engine._prefill_next_chunk; a longer one
+        delays it by one chunk at most). None when no prefill worker this request may use is registered."""
         workers = await self.blocking.run(self._live, "prefill", exclude)
         if not workers:
             return None
         with self._lock:
-            return min(self._prefill_tokens[w.worker_id] for w in workers)
+            return min(sum(n * count for n, count in self._prefill_queue.get(w.worker_id, {}).items()
+                           if n <= num_tokens) for w in workers)
 
     def queued_prefill(self, worker_id: str, num_tokens: int) -> "QueuedPrefill":
-        """Counts num_tokens in worker_id's prefill queue until the returned ticket is released."""
+        """Counts a prompt of num_tokens in worker_id's prefill queue until the returned ticket is released."""
         with self._lock:
-            self._prefill_tokens[worker_id] += num_tokens
+            self._prefill_queue.setdefault(worker_id, Counter())[num_tokens] += 1
         return QueuedPrefill(self, worker_id, num_tokens)
 
     def _dequeue_prefill(self, worker_id: str, num_tokens: int) -> None:
         with self._lock:
-            self._prefill_tokens[worker_id] -= num_tokens
-            if self._prefill_tokens[worker_id] <= 0:
-                del self._prefill_tokens[worker_id]
+            queue = self._prefill_queue[worker_id]
+            queue[num_tokens] -= 1
+            if queue[num_tokens] <= 0:
+                del queue[num_tokens]
+            if not queue:
+                del self._prefill_queue[worker_id]
 
     def done_prefill(self, worker_id: str) -> None:
         with self._lock:
@@ -216,12 +223,13 @@ class WorkerPicker:
 
 
 class QueuedPrefill:
-    """One prompt's tokens in a router's count of a prefill worker's queue; release() is idempotent."""
+    """One prompt in a router's count of a prefill worker's queue; release() is idempotent."""
 
     def __init__(self, picker: WorkerPicker, worker_id: str, num_tokens: int):
         self._picker, self._worker_id, self._num_tokens = picker, worker_id, num_tokens
+        self._held = True
 
     def release(self) -> None:
-        if self._num_tokens:
+        if self._held:
+            self._held = False
             self._picker._dequeue_prefill(self._worker_id, self._num_tokens)
-            self._num_tokens = 0

@@ -300,16 +300,17 @@ class GenerateCall:
     async def _prefill_here(self, exclude: Excluded) -> bool:
         """Prefill on the decode worker? Colocated: always. Conditional: when the prompt is too short for
         the KV transfer to pay, when the prefill queue would multiply its TTFT (more than
-        remote_prefill_max_queue_ratio times its own length already queued on the least loaded prefill
-        worker, for a prompt of at most remote_prefill_queue_max_tokens: a short prompt behind a long
-        document), or when no prefill worker is left to take it."""
+        remote_prefill_max_queue_ratio times its own length queued ahead of it on the least loaded prefill
+        worker, for a prompt of at most remote_prefill_queue_max_tokens; a prefill worker runs the prompt
+        with the fewest tokens left first, so a long document queued there does not count), or when no
+        prefill worker is left to take it."""
         cfg = self.r.config
         if cfg.prefill_mode != "conditional":
             return cfg.prefill_mode == "colocated"
         n = len(self.req.prompt_ids)
         if n < cfg.remote_prefill_min_tokens:
             return True
-        backlog = await self.r.picker.prefill_backlog(exclude)
+        backlog = await self.r.picker.prefill_backlog(n, exclude)
         if backlog is None:
             return True
         return (bool(cfg.remote_prefill_max_queue_ratio) and n <= cfg.remote_prefill_queue_max_tokens

@@ -140,14 +140,17 @@ def test_a_cluster_without_prefill_workers_needs_a_mode_that_prefills_on_decode(
         RouterConfig(prefill_mode="conditional", remote_prefill_max_queue_ratio=float("nan"))
 
 
-def test_conditional_prefills_locally_a_prompt_that_would_queue_behind_a_long_one(cluster):
-    """Conditional placement looks at the prefill queue too: a prompt long enough to go remote on its own
-    is prefilled on the decode worker while more than remote_prefill_max_queue_ratio times its length is
-    queued on the prefill worker (a long document prefilling), and remotely once the queue is empty. Its
-    tokens are the same either way."""
+def test_conditional_prefills_locally_a_prompt_that_would_queue_behind_prompts_no_longer_than_it(cluster):
+    """Conditional placement looks at the prefill queue too. A prefill worker runs the prompt with the
+    fewest tokens left first, so a long document prefilling there does not hold a shorter prompt back: that
+    prompt still goes remote. What it would wait for is the queued prompts no longer than itself: with more
+    than remote_prefill_max_queue_ratio times its length of those queued (this router's count of its
+    prefill queue, held here by tickets of the router's own picker), it is prefilled on the decode worker,
+    and remotely again once they are gone. Its tokens are the same either way."""
     document = LONG * 3  # ~1,800 tokens: seconds of prefill on one core
-    medium = LONG[:900]  # past THRESHOLD (~190 tokens), and 3x its length is under the document's
-    ratio = cluster.routers["conditional"].config.remote_prefill_max_queue_ratio
+    medium = LONG[:900]  # past THRESHOLD (~190 tokens)
+    router = cluster.routers["conditional"]
+    ratio = router.config.remote_prefill_max_queue_ratio
     assert ratio == RouterConfig.remote_prefill_max_queue_ratio > 0
     long_rid = "cond-queue-doc"
     t = threading.Thread(target=generate, args=(cluster, "conditional", document, long_rid),
@@ -158,13 +161,26 @@ def test_conditional_prefills_locally_a_prompt_that_would_queue_behind_a_long_on
         assert time.monotonic() < deadline, "the document never started prefilling"
         time.sleep(0.005)
     time.sleep(0.05)
-    behind = generate(cluster, "conditional", medium, "cond-queue-behind", max_tokens=8, temperature=0.0)
+    beside_doc = generate(cluster, "conditional", medium, "cond-queue-beside-doc", max_tokens=8, temperature=0.0)
     doc_record = cluster.state.get_request(long_rid)
     t.join(timeout=120)
     assert doc_record["prefill_placement"] == "remote"
+    assert cluster.state.get_request("cond-queue-beside-doc")["prefill_placement"] == "remote"
+    n = beside_doc[-1].prompt_tokens
+    assert n >= THRESHOLD  # length alone sends it remote
+
+    picker = router.router.picker
+    (prefill,) = cluster.state.list_workers("prefill")
+    tickets = [picker.queued_prefill(prefill.worker_id, n) for _ in range(int(ratio) + 1)]  # > ratio x its length
+    tickets.append(picker.queued_prefill(prefill.worker_id, 10 * n))  # a longer one, which it would not wait for
+    try:
+        behind = generate(cluster, "conditional", medium, "cond-queue-behind", max_tokens=8, temperature=0.0)
+    finally:
+        for ticket in tickets:
+            ticket.release()
+            ticket.release()  # idempotent
     assert cluster.state.get_request("cond-queue-behind")["prefill_placement"] == "local"
-    assert behind[-1].prompt_tokens >= THRESHOLD  # length alone would have sent it remote
     alone = generate(cluster, "conditional", medium, "cond-queue-alone", max_tokens=8, temperature=0.0)
     assert cluster.state.get_request("cond-queue-alone")["prefill_placement"] == "remote"
-    assert ids_of(behind) == ids_of(alone)
+    assert ids_of(behind) == ids_of(alone) == ids_of(beside_doc)
     wait_idle(cluster)
