@@ -45,7 +45,7 @@ bench: protos
 	$(PY) -m router.bench $(ARGS)
 	$(MAKE) --no-print-directory bench-load
 
-# Open-loop Poisson load on pinned service processes, per placement mode (about 30 minutes; ARGS=--quick
+# Open-loop Poisson load on pinned service processes, per placement mode (about 15 minutes; ARGS=--quick
 # for a 2-minute smoke). Writes docs/loadgen-*.png after a full run.
 bench-load: protos
 	$(PY) -m router.loadgen $(ARGS)

@@ -1,6 +1,6 @@
 """python -m router.loadgen: open-loop Poisson load on real service processes, per placement mode and mix.
 
-    python -m router.loadgen                        # the full sweep (about 30 minutes on 2 cores)
+    python -m router.loadgen                        # the full sweep (about 15 minutes on 2 cores)
     python -m router.loadgen --quick                # CI smoke: disaggregated, chat (32-token outputs), 2 rates, < 2 min
     python -m router.loadgen --modes disaggregated colocated-2x1t --mixes long --rates 0.1 0.2
 

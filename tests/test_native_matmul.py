@@ -87,20 +87,26 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_threads(dtype):
                                        torch.rand(500) * 0.01)
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(32, 1536, generator=gen) * 3).to(dtype)
+    _assert_rows_batch_invariant({"q4": lambda x: k.q4_matmul(x, packed, 200),
+                                  "q8": lambda x: k.q8_matmul(x, head, head_scales, 500)}, rows, gen)
+
+
+def _assert_rows_batch_invariant(matmuls: dict, rows: torch.Tensor, gen: torch.Generator) -> None:
+    """Each of `matmuls` gives every row, in batches of 2 to 32 rows (every tile shape) on 1 or 2 threads,
+    the bits it gets alone on one thread."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [(k.q4_matmul(rows[i:i + 1], packed, 200), k.q8_matmul(rows[i:i + 1], head, head_scales, 500))
-                 for i in range(32)]
+        alone = {name: [f(rows[i:i + 1])[0] for i in range(len(rows))] for name, f in matmuls.items()}
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             for bsz in (2, 3, 4, 5, 13, 32):
-                idx = torch.randperm(32, generator=gen)[:bsz]
-                y4 = k.q4_matmul(rows[idx], packed, 200)
-                y8 = k.q8_matmul(rows[idx], head, head_scales, 500)
-                for r, i in enumerate(idx.tolist()):
-                    assert torch.equal(y4[r], alone[i][0][0]), f"q4 row {i} differs at batch {bsz}, {n_threads} threads"
-                    assert torch.equal(y8[r], alone[i][1][0]), f"q8 row {i} differs at batch {bsz}, {n_threads} threads"
+                idx = torch.randperm(len(rows), generator=gen)[:bsz]
+                for name, f in matmuls.items():
+                    y = f(rows[idx])
+                    for r, i in enumerate(idx.tolist()):
+                        assert torch.equal(y[r], alone[name][i]), \
+                            f"{name} row {i} differs at batch {bsz}, {n_threads} threads"
     finally:
         torch.set_num_threads(threads)
 
@@ -114,19 +120,21 @@ def test_x_rows_of_a_wider_tensor_are_read_in_place():
     assert torch.equal(k.q4_matmul(wide[:, 100:676], packed, 64), k.q4_matmul(wide[:, 100:676].contiguous(), packed, 64))
 
 
-def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row():
+@pytest.mark.parametrize("bf16dot", [False, True], ids=["integer", "bf16dot"])
+def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(bf16dot):
     """A non-finite activation must not be quantized away into a plausible number: the row's outputs are
-    NaN, as a float product's would be; the other rows keep their bits."""
-    k = native_kernels()
+    NaN (the integer kernel: its block scale is NaN) or not finite (the bf16 dot kernel: inf times a
+    weight, or NaN), as a float product's would be; the other rows keep their bits."""
+    k = _bf16dot_kernels() if bf16dot else native_kernels()
     codes, d, m, _ = _q4_weight(40, 576, seed=6)
     packed = native.pack_q4(codes, d, m)
     x = torch.randn(3, 576)
-    clean = k.q4_matmul(x, packed, 40)
+    clean = k.q4_matmul(x, packed, 40, bf16dot)
     for bad in (float("nan"), float("inf"), float("-inf")):
         x_bad = x.clone()
         x_bad[1, 17] = bad
-        y = k.q4_matmul(x_bad, packed, 40)
-        assert torch.isnan(y[1]).all(), bad
+        y = k.q4_matmul(x_bad, packed, 40, bf16dot)
+        assert (not torch.isfinite(y[1]).any()) if bf16dot else torch.isnan(y[1]).all(), bad
         assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
 
 
@@ -236,30 +244,4 @@ def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the
     packed = native.pack_q4(codes, d, m)
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(32, 1536, generator=gen) * 3).to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = [k.q4_matmul(rows[i:i + 1], packed, 200, bf16dot=True) for i in range(32)]
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for bsz in (2, 3, 4, 5, 13, 32):
-                idx = torch.randperm(32, generator=gen)[:bsz]
-                y = k.q4_matmul(rows[idx], packed, 200, bf16dot=True)
-                for r, i in enumerate(idx.tolist()):
-                    assert torch.equal(y[r], alone[i][0]), f"row {i} differs at batch {bsz}, {n_threads} threads"
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_q4_by_the_bf16_dot_carries_a_nan_or_inf_to_its_row_only():
-    k = _bf16dot_kernels()
-    codes, d, m, _ = _q4_weight(40, 576, seed=6)
-    packed = native.pack_q4(codes, d, m)
-    x = torch.randn(3, 576)
-    clean = k.q4_matmul(x, packed, 40, bf16dot=True)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        x_bad = x.clone()
-        x_bad[1, 17] = bad
-        y = k.q4_matmul(x_bad, packed, 40, bf16dot=True)
-        assert not torch.isfinite(y[1]).any(), bad
-        assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
+    _assert_rows_batch_invariant({"q4 bf16dot": lambda x: k.q4_matmul(x, packed, 200, bf16dot=True)}, rows, gen)
