@@ -260,10 +260,14 @@ def channel(address: str, *, credentials: grpc.ChannelCredentials | None = None,
 
 
 class ChannelCache:
-    """Channels to peers, one per address, reused across calls.
+    """Channels to peers, one per (address, epoch), reused across calls.
 
     Peer addresses come and go with pods, so idle channels beyond `max_idle` are closed, least
-    recently used first; a channel in use (inside `use()`) is never closed.
+    recently used first; a channel in use (inside `use()`) is never closed. A worker restarted at the
+    same address has a new epoch and gets a new channel: the old one may be in gRPC's reconnect backoff
+    after failing to reach the dead process, and would refuse calls for seconds after the new one is
+    up (a killed and restarted decode worker saw its pushes fail "Connection refused" that way). Idle
+    channels of the address's other epochs are closed then.
     """
 
     def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
@@ -271,26 +275,31 @@ class ChannelCache:
         self._credentials = credentials
         self._server_name = server_name
         self.max_idle = max_idle
-        self._channels: dict[str, grpc.Channel] = {}  # least recently used first
-        self._users: collections.Counter[str] = collections.Counter()  # calls in flight per address
+        self._channels: dict[tuple[str, str], grpc.Channel] = {}  # least recently used first
+        self._users: collections.Counter[tuple[str, str]] = collections.Counter()  # calls in flight per key
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def use(self, address: str) -> Iterator[grpc.Channel]:
+    def use(self, address: str, epoch: str = "") -> Iterator[grpc.Channel]:
+        key = (address, epoch)
         with self._lock:
-            ch = self._channels.pop(address, None) or self._open(address)
-            self._channels[address] = ch
-            self._users[address] += 1
+            ch = self._channels.pop(key, None)
+            if ch is None:
+                for old in [k for k in self._channels if k[0] == address and k not in self._users]:
+                    self._discard(self._channels.pop(old))
+                ch = self._open(address)
+            self._channels[key] = ch
+            self._users[key] += 1
         try:
             yield ch
         finally:
             with self._lock:
-                self._users[address] -= 1
-                if not self._users[address]:
-                    del self._users[address]
-                idle = [a for a in self._channels if a not in self._users]
-                for a in idle[:max(0, len(idle) - self.max_idle)]:
-                    self._discard(self._channels.pop(a))
+                self._users[key] -= 1
+                if not self._users[key]:
+                    del self._users[key]
+                idle = [k for k in self._channels if k not in self._users]
+                for k in idle[:max(0, len(idle) - self.max_idle)]:
+                    self._discard(self._channels.pop(k))
 
     def close(self) -> None:
         with self._lock:

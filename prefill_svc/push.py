@@ -131,7 +131,7 @@ def push_after(worker, rid: str, kv: torch.Tensor, block_hashes: list[bytes] | N
     p = _Push(worker, rid, target, context, kv.shape[2])
     p.t_first = t_first
     bs = worker.config.block_size
-    with worker.kv_channels.use(target.kv_address) as ch:
+    with worker.kv_channels.use(target.kv_address, target.epoch) as ch:
         stub = internal_pb2_grpc.KVTransferStub(ch)
         hashes = p._block_hashes(block_hashes)
         p.skip = p._cached_prefix(stub, hashes)
@@ -212,7 +212,7 @@ class StreamedPush(_Push):
         bs = w.config.block_size
         chunk = w.config.prefill_chunk_tokens
         hasher = w.engine.hasher
-        with w.kv_channels.use(t.kv_address) as ch:
+        with w.kv_channels.use(t.kv_address, t.epoch) as ch:
             stub = internal_pb2_grpc.KVTransferStub(ch)
             hashes = self._block_hashes(hasher.block_hashes(self._prompt_ids, hasher.chunk_blocks(self.prompt_len))
                                         if w.engine.config.prefix_caching else [])

@@ -291,7 +291,7 @@ class GenerateCall:
         metrics.PLACEMENT.labels("remote").inc()
         queued = r.picker.queued_prefill(pw.worker_id, len(req.prompt_ids))
         try:
-            with r.channels.use(pw.address) as prefill_ch:
+            with r.channels.use(pw.address, pw.epoch) as prefill_ch:
                 return await self._relay(attempt, pw, dw, prefill_ch, deadline, queued)
         finally:
             queued.release()
