@@ -18,9 +18,8 @@ int q4_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const u
               int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
 int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
                       int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
-
-static int (*const q4_matmul_int)(const void *, int, int64_t, int64_t, const uint8_t *, int64_t, int64_t,
-                                   void *, int, int64_t, int64_t) = q4_matmul;
+typedef int (*q4_fn)(const void *, int, int64_t, int64_t, const uint8_t *, int64_t, int64_t, void *, int, int64_t,
+                     int64_t);
 
 #define LAYER_POINTERS 6 /* attn_norm, wqkv, wo, mlp_norm, w13, w2 */
 
@@ -37,8 +36,7 @@ int NAME(float *h, int64_t rows, int64_t num_layers, void *const *weights, T *kv
          int64_t table_stride, const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads,     \
          int64_t head_dim, int64_t hidden, int64_t ffn, float eps, float attn_scale, int64_t threads,   \
          int64_t attn_threads, int64_t bf16dot) {                                                      \
-    int (*const q4_matmul)(const void *, int, int64_t, int64_t, const uint8_t *, int64_t, int64_t, void *, int, \
-                           int64_t, int64_t) = bf16dot ? q4_matmul_bf16dot : q4_matmul_int;            \
+    const q4_fn q4 = bf16dot ? q4_matmul_bf16dot : q4_matmul;                                         \
     const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;           \
     const int64_t widest = 2 * ffn > qkv_width ? 2 * ffn : qkv_width;                                  \
     /* x, delta [rows, hidden]; wide (qkv or gate_up) [rows, widest]; o [rows, q_width]; act [rows, ffn] */ \
@@ -51,15 +49,15 @@ int NAME(float *h, int64_t rows, int64_t num_layers, void *const *weights, T *kv
         void *const *w = weights + i * LAYER_POINTERS;                                                 \
         T *layer_kv = kv + i * layer_stride;                                                           \
         err = ADD_RMS_NORM(h, have_delta ? delta : NULL, w[0], rows, hidden, eps, x);                  \
-        if (!err) err = q4_matmul(x, IS_BF16, hidden, rows, w[1], qkv_width, hidden, wide, IS_BF16, qkv_width, threads); \
+        if (!err) err = q4(x, IS_BF16, hidden, rows, w[1], qkv_width, hidden, wide, IS_BF16, qkv_width, threads); \
         if (!err) err = ROPE_KV_WRITE(wide, cos, sin, positions, rows, heads, kv_heads, head_dim, layer_kv, slots); \
         if (!err) err = ATTENTION(wide, qkv_width, layer_kv, table, table_stride, lens, block, heads, kv_heads, \
                                   head_dim, attn_scale, o, rows, attn_threads);                        \
-        if (!err) err = q4_matmul(o, IS_BF16, q_width, rows, w[2], hidden, q_width, delta, IS_BF16, hidden, threads); \
+        if (!err) err = q4(o, IS_BF16, q_width, rows, w[2], hidden, q_width, delta, IS_BF16, hidden, threads); \
         if (!err) err = ADD_RMS_NORM(h, delta, w[3], rows, hidden, eps, x);                            \
-        if (!err) err = q4_matmul(x, IS_BF16, hidden, rows, w[4], 2 * ffn, hidden, wide, IS_BF16, 2 * ffn, threads); \
+        if (!err) err = q4(x, IS_BF16, hidden, rows, w[4], 2 * ffn, hidden, wide, IS_BF16, 2 * ffn, threads); \
         if (!err) err = SILU_MUL(wide, rows, ffn, act, threads);                                       \
-        if (!err) err = q4_matmul(act, IS_BF16, ffn, rows, w[5], hidden, ffn, delta, IS_BF16, hidden, threads); \
+        if (!err) err = q4(act, IS_BF16, ffn, rows, w[5], hidden, ffn, delta, IS_BF16, hidden, threads); \
         have_delta = 1;                                                                                \
     }                                                                                                  \
     if (!err && have_delta) err = ADD_RMS_NORM(h, delta, NULL, rows, hidden, eps, NULL);               \

@@ -55,4 +55,4 @@ def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     flags = cpu_flags() if flags is None else flags
     if "avx512_bf16" in flags:
         return "bf16dot", "decode_matmul.c, the bf16 dot instruction: the CPU has avx512_bf16"
-    return "int", f"decode_matmul.c, integer products: the CPU has no avx512_bf16"
+    return "int", "decode_matmul.c, integer products: the CPU has no avx512_bf16"

@@ -135,11 +135,11 @@ class Int4Linear:
 
     def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None, bf16dot: bool = False):
         codes = np.concatenate([p.codes for p in parts])  # [out, in] 0..15
-        self.bf16dot = bf16dot
         scales = np.concatenate([p.scales for p in parts])
         mins = np.concatenate([p.mins for p in parts])
         self.group = parts[0].GROUP
         self.kernels = kernels
+        self.bf16dot = bf16dot
         self.out_features = codes.shape[0]
         if kernels is not None:
             self.packed = native.pack_q4(codes, scales, mins)  # the file's codes and fp16 scales, exactly
