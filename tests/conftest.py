@@ -2,8 +2,12 @@
 and tiny random Llama checkpoints written as HF folders and as GGUF files."""
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import shutil
+import sys
+import threading
 from dataclasses import dataclass, field
 import time
 from pathlib import Path
@@ -23,6 +27,40 @@ from common.engine.output import FinishReason  # noqa: E402
 from common.engine.runner import ModelRunner  # noqa: E402
 
 CHAT_QUESTION = "What is the capital of France?"
+
+
+# --------------------------------------------------------------------------- a memory guard
+
+# A test that runs away with memory gets the whole run killed by the kernel, with nothing in the log but
+# "Killed". Past this many GiB of resident memory the run stops itself instead and prints every thread's
+# stack: the test, and the line, that asked for it. The suite peaks near 4 GiB.
+MAX_RSS_GIB = float(os.environ.get("HANDOFF_TEST_MAX_RSS_GIB", "12"))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _guard_memory(config: pytest.Config) -> None:
+    while True:
+        time.sleep(0.25)
+        rss = _rss_bytes()
+        if rss > MAX_RSS_GIB * 2**30:
+            capture = config.pluginmanager.getplugin("capturemanager")
+            if capture is not None:
+                capture.suspend_global_capture(in_=True)
+            print(f"\nmemory guard: the test process holds {rss / 2**30:.1f} GiB, over "
+                  f"HANDOFF_TEST_MAX_RSS_GIB={MAX_RSS_GIB:g}; stopping the run before the kernel kills it. "
+                  f"Every thread's stack (the test's is the one under pytest):", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            os._exit(3)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.path.exists("/proc/self/statm"):
+        threading.Thread(target=_guard_memory, args=(config,), name="memory-guard", daemon=True).start()
 
 
 # --------------------------------------------------------------------------- in-process clusters

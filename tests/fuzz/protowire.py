@@ -292,8 +292,12 @@ def generate_requests(draw) -> Spec:
             parts.append(f_len(1, prompt))
         if draw(st.integers(0, 2)) == 0:
             msgs = draw(st.lists(chat_message(False), max_size=4))
-            repeat = draw(st.sampled_from([1, 1, 1, 60, 257, 1000]))
-            parts += [f_len(2, m) for m in msgs] * repeat
+            fields = [f_len(2, m) for m in msgs]
+            # Many messages, or past the 4 MiB limit, but never gigabytes in the test process: 1,000 copies
+            # of a 4 MB message were 17 GB, and the kernel killed the whole test run.
+            size = max(1, sum(map(len, fields)))
+            repeat = min(draw(st.sampled_from([1, 1, 1, 60, 257, 1000])), max(1, 2 * MAX_PUBLIC_MESSAGE_BYTES // size))
+            parts += fields * repeat
     max_tokens = maybe_wild(draw, sane, st.integers(1, DEFAULT_MAX_TOKENS),
                             # never a value a generation would take seconds to fill: it must fail or be tiny
                             ANY_VARINT.filter(lambda n: not 4 <= int32(n) < 1200))
