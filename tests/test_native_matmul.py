@@ -154,7 +154,9 @@ def test_bad_arguments_are_refused_with_a_reason():
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"], ids=["plain-c", "portable-avx2"])
 def test_other_builds_compute_the_same_bits(tmp_path, march):
     """A build without AVX2 (the plain C loops, for other CPUs) and the image's portable AVX2 build sum in
-    the same order as this host's native one: a worker's tokens do not depend on which build it runs."""
+    the same order as this host's native one: a worker's tokens do not depend on which build it runs. The
+    portable build carries the bf16 dot kernel too and runs it where the CPU has AVX512_BF16, with the
+    native build's bits."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     k = native_kernels()
@@ -169,6 +171,13 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
         x = (torch.randn(5, 576) * 2).to(dtype)
         assert torch.equal(other.q4_matmul(x, packed, 36), k.q4_matmul(x, packed, 36)), dtype
         assert torch.equal(other.q8_matmul(x, head, head_scales, 44), k.q8_matmul(x, head, head_scales, 44)), dtype
+    assert other.has_bf16dot == (k.has_bf16dot and march == "x86-64-v3")
+    if other.has_bf16dot:
+        for rows in (3, 9):  # weights dequantized in registers, and into the buffer every row reads
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, 576) * 2).to(dtype)
+                assert torch.equal(other.q4_matmul(x, packed, 36, bf16dot=True),
+                                   k.q4_matmul(x, packed, 36, bf16dot=True)), (rows, dtype)
 
 
 @pytest.mark.parametrize("dtype,matmuls", [(torch.float32, "int"), (torch.bfloat16, "int"),

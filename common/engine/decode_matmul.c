@@ -415,7 +415,15 @@ static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {      
 DEFINE_TILES(q4, FORMAT_Q4)
 DEFINE_TILES(q8, FORMAT_Q8)
 
-#if defined(MATMUL_AVX512) && defined(__AVX512BF16__)
+/* GCC compiles it into every AVX2 build, the portable one an image ships included, for the AVX-512 BF16
+ * subset only; q4_matmul_bf16dot runs it where the CPU at hand has the instructions (cpu_has_bf16dot).
+ * Another compiler builds it where -march already has them. */
+#if defined(MATMUL_AVX2) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define MATMUL_BF16DOT_TARGET 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
+#endif
+#if defined(MATMUL_BF16DOT_TARGET) || (defined(MATMUL_AVX512) && defined(__AVX512BF16__))
 #define MATMUL_BF16DOT 1
 /* q4 with the bf16 dot instruction (q4_matmul_bf16dot, where the CPU has AVX512_BF16): a weight block is
  * dequantized once, w = d * q + m in fp32 rounded to bf16, and every row's bf16 x multiplied with it by
@@ -487,6 +495,20 @@ static int quads_bf16dot(const job_t *j, int64_t q_begin, int64_t q_end) {
     }
     free(buf);
     return 0;
+}
+#ifdef MATMUL_BF16DOT_TARGET
+#pragma GCC pop_options
+#endif
+
+/* AVX512_BF16 and the AVX-512 state enabled by the OS, asked of this CPU once. */
+static int cpu_has_bf16dot(void) {
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512bf16");
+    }
+    return has;
 }
 #endif
 
@@ -569,10 +591,11 @@ int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const i
 
 /* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by the bf16 dot instruction (MATMUL_BF16DOT above): x
  * rounded to bf16 (to nearest even, as torch's conversion) where it is fp32. -ENOSYS where this build has
- * no AVX512_BF16. */
+ * no bf16 dot kernel (not an AVX2 build, or a compiler too old) or the CPU has no AVX512_BF16. */
 int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
                       int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
 #ifdef MATMUL_BF16DOT
+    if (!cpu_has_bf16dot()) return -ENOSYS;
     if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
     if (!rows) return 0;
     uint16_t *xb = NULL;

@@ -203,10 +203,12 @@ class Llama(torch.nn.Module):
         if mode not in native.MATMUL_MODES:
             raise ValueError(f"native_matmuls={native_matmuls!r}: use one of {native.MATMUL_MODES}, True or False")
         if mode == "bf16dot" and self.kernels is not None and not self.kernels.has_bf16dot:
-            # A library built for another CPU (an image's portable AVX2 build): torch's int4 kernel has the
-            # same kind of numerics and multiplies bf16 natively where this kernel would have.
-            log.warning("decode's packed-weight matmuls: the native library has no bf16 dot kernel (it was not "
-                        "built for this CPU's AVX512_BF16); using torch's int4 kernel instead")
+            # A library without it (a compiler other than GCC >= 10 on a host without AVX512_BF16, or a CPU
+            # without it under HANDOFF_NATIVE_MATMUL=bf16): torch's int4 kernel has the same kind of
+            # numerics and multiplies bf16 natively where this kernel would have.
+            log.warning("decode's packed-weight matmuls: the native library cannot run its bf16 dot kernel "
+                        "here (this CPU has no AVX512_BF16, or the library was built without the kernel); "
+                        "using torch's int4 kernel instead")
             mode = "torch"
         self.bf16dot = mode == "bf16dot" and self.kernels is not None
         matmul_kernels = self.kernels if mode != "torch" else None

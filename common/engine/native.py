@@ -189,7 +189,8 @@ class DecodeKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._matmuls[name] = fn
-        # The bf16 dot kernel is built where the CPU has AVX512_BF16; elsewhere it answers -ENOSYS.
+        # The bf16 dot kernel runs where the CPU has AVX512_BF16 (a GCC build carries it for any AVX2
+        # target, the portable one included); elsewhere it answers -ENOSYS.
         self.has_bf16dot = self._matmuls["q4_matmul_bf16dot"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
 
     @staticmethod
