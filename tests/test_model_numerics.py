@@ -135,9 +135,10 @@ def test_bf16_logits_refine_the_top_candidates(smollm2_model, smollm2_tokenizer,
 
 @pytest.mark.parametrize("dtype,int4,paged,matmuls", [
     (torch.bfloat16, True, True, "auto"), (torch.bfloat16, False, True, "auto"), (torch.float32, False, True, "auto"),
-    (torch.bfloat16, True, False, "auto"), (torch.bfloat16, True, True, "int"), (torch.bfloat16, True, True, "torch")],
+    (torch.bfloat16, True, False, "auto"), (torch.bfloat16, True, True, "int"), (torch.bfloat16, True, True, "torch"),
+    (torch.float32, True, True, "f32")],
     ids=["bf16+int4", "bf16", "fp32", "bf16+int4-eager-attention", "bf16+int4-integer-matmuls",
-         "bf16+int4-torch-matmuls"])
+         "bf16+int4-torch-matmuls", "fp32+int4-fp32-matmuls"])
 def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_tokenizer, monkeypatch, dtype, int4,
                                                           paged, matmuls):
     """Invariant 4 at its root: the logits a decode row gives (and the K/V it writes) do not depend on
@@ -146,7 +147,7 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
     (replay). With the native paged-attention kernel (the default where it builds) and with the eager
     gather + SDPA path it falls back to. The packed weights' matmuls as this CPU picks them
     (HANDOFF_NATIVE_MATMUL unset: decode_matmul.c's bf16 dot kernel where the CPU has AVX512_BF16, its
-    integer one elsewhere), and the others this host can run ("int", "torch")."""
+    fp32 one elsewhere), and the others every host can run ("int", "torch", "f32")."""
     from common.engine.hardware import auto_matmuls
     from common.engine.runner import DecodeItem
     if matmuls != "auto" and matmuls == auto_matmuls()[0]:
@@ -155,7 +156,7 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
                          native_matmuls=None if matmuls == "auto" else matmuls)
     if matmuls != "auto":
         layer = runner.model.layers[0]["wqkv4"]
-        assert (layer.kernels is not None) == (matmuls != "torch") and not layer.bf16dot
+        assert (layer.kernels is not None) == (matmuls != "torch") and layer.kernel == matmuls
     if paged:
         assert runner.model.kernels is not None, "the native kernels did not build: see the log"
     else:

@@ -120,21 +120,21 @@ def test_x_rows_of_a_wider_tensor_are_read_in_place():
     assert torch.equal(k.q4_matmul(wide[:, 100:676], packed, 64), k.q4_matmul(wide[:, 100:676].contiguous(), packed, 64))
 
 
-@pytest.mark.parametrize("bf16dot", [False, True], ids=["integer", "bf16dot"])
-def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(bf16dot):
+@pytest.mark.parametrize("kernel", list(native.Q4_KERNELS))
+def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
     """A non-finite activation must not be quantized away into a plausible number: the row's outputs are
-    NaN (the integer kernel: its block scale is NaN) or not finite (the bf16 dot kernel: inf times a
+    NaN (the integer kernel: its block scale is NaN) or not finite (the float kernels: inf times a
     weight, or NaN), as a float product's would be; the other rows keep their bits."""
-    k = _bf16dot_kernels() if bf16dot else native_kernels()
+    k = _bf16dot_kernels() if kernel == "bf16dot" else native_kernels()
     codes, d, m, _ = _q4_weight(40, 576, seed=6)
     packed = native.pack_q4(codes, d, m)
     x = torch.randn(3, 576)
-    clean = k.q4_matmul(x, packed, 40, bf16dot)
+    clean = k.q4_matmul(x, packed, 40, kernel)
     for bad in (float("nan"), float("inf"), float("-inf")):
         x_bad = x.clone()
         x_bad[1, 17] = bad
-        y = k.q4_matmul(x_bad, packed, 40, bf16dot)
-        assert (not torch.isfinite(y[1]).any()) if bf16dot else torch.isnan(y[1]).all(), bad
+        y = k.q4_matmul(x_bad, packed, 40, kernel)
+        assert torch.isnan(y[1]).all() if kernel == "int" else not torch.isfinite(y[1]).any(), bad
         assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
 
 
@@ -171,17 +171,22 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
         x = (torch.randn(5, 576) * 2).to(dtype)
         assert torch.equal(other.q4_matmul(x, packed, 36), k.q4_matmul(x, packed, 36)), dtype
         assert torch.equal(other.q8_matmul(x, head, head_scales, 44), k.q8_matmul(x, head, head_scales, 44)), dtype
+        for rows in (2, 7):  # the fp32 kernel's register and buffer paths
+            x = (torch.randn(rows, 576) * 2).to(dtype)
+            assert torch.equal(other.q4_matmul(x, packed, 36, "f32"), k.q4_matmul(x, packed, 36, "f32")), (rows, dtype)
     assert other.has_bf16dot == (k.has_bf16dot and march == "x86-64-v3")
     if other.has_bf16dot:
         for rows in (3, 9):  # weights dequantized in registers, and into the buffer every row reads
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(rows, 576) * 2).to(dtype)
-                assert torch.equal(other.q4_matmul(x, packed, 36, bf16dot=True),
-                                   k.q4_matmul(x, packed, 36, bf16dot=True)), (rows, dtype)
+                assert torch.equal(other.q4_matmul(x, packed, 36, kernel="bf16dot"),
+                                   k.q4_matmul(x, packed, 36, kernel="bf16dot")), (rows, dtype)
 
 
 @pytest.mark.parametrize("dtype,matmuls", [(torch.float32, "int"), (torch.bfloat16, "int"),
-                                           (torch.bfloat16, "bf16dot")], ids=["fp32", "bf16", "bf16-bf16dot"])
+                                           (torch.bfloat16, "bf16dot"), (torch.float32, "f32"),
+                                           (torch.bfloat16, "f32")],
+                         ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32"])
 def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype, matmuls):
     """decode_layers.c runs every layer of a decode step in one call; the model's per-op path (one native
     call per kernel from Python) computes the same hidden states, logits and cache writes."""
@@ -190,7 +195,7 @@ def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dt
     (_bf16dot_kernels if matmuls == "bf16dot" else native_kernels)()
     runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True, native_matmuls=matmuls)
     model = runner.model
-    assert model.bf16dot == (matmuls == "bf16dot")
+    assert model.matmuls == matmuls
     assert model.native_layers is not None, "the int4 layers did not get the one-call path"
     gen = torch.Generator().manual_seed(8)
     for i, n in enumerate((1, 30, 77)):
@@ -228,7 +233,7 @@ def test_q4_by_the_bf16_dot_is_the_files_weights_times_x_within_bf16_rounding(dt
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
     x[2, 40] = 300.0
-    y = k.q4_matmul(x, packed, 102, bf16dot=True)
+    y = k.q4_matmul(x, packed, 102, kernel="bf16dot")
     assert y.shape == (7, 102) and y.dtype == dtype
     exact = x.double().numpy() @ dense.T
     scale = np.abs(x.double().numpy()) @ np.abs(dense).T
@@ -236,13 +241,13 @@ def test_q4_by_the_bf16_dot_is_the_files_weights_times_x_within_bf16_rounding(dt
     err = np.abs(y.double().numpy() - exact)
     assert (err <= bound).all(), f"worst error {err.max():.3g} against its bound {bound.flat[err.argmax()]:.3g}"
     if dtype == torch.float32:
-        assert torch.equal(y, k.q4_matmul(x.to(torch.bfloat16).float(), packed, 102, bf16dot=True))
+        assert torch.equal(y, k.q4_matmul(x.to(torch.bfloat16).float(), packed, 102, kernel="bf16dot"))
         # the weights as the kernel rounds them, times x as it rounds it: only fp32 sums are left
         w_bf16 = torch.from_numpy(dense).float().to(torch.bfloat16).double().numpy()
         x_bf16 = x.to(torch.bfloat16).double().numpy()
         assert (np.abs(y.double().numpy() - x_bf16 @ w_bf16.T) <= scale * 1e-5 + 1e-6).all()
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        k.q4_matmul(torch.randn(2, 48), packed, 8, bf16dot=True)
+        k.q4_matmul(torch.randn(2, 48), packed, 8, kernel="bf16dot")
 
 
 def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads():
@@ -253,4 +258,40 @@ def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the
     packed = native.pack_q4(codes, d, m)
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(32, 1536, generator=gen) * 3).to(torch.bfloat16)
-    _assert_rows_batch_invariant({"q4 bf16dot": lambda x: k.q4_matmul(x, packed, 200, bf16dot=True)}, rows, gen)
+    _assert_rows_batch_invariant({"q4 bf16dot": lambda x: k.q4_matmul(x, packed, 200, kernel="bf16dot")}, rows, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q4_in_fp32_is_the_files_weights_times_x_to_fp32_rounding(dtype):
+    """The fp32 kernel dequantizes each weight as fma(q, d, m) in fp32 (one rounding, 2^-24 of |w|) and sums
+    the products with x in fp32: within fp32 accumulation error of the exact product, 2^8 times closer than
+    the bf16 dot kernel's bound, with a bf16 x widened exactly."""
+    k = native_kernels()
+    codes, d, m, dense = _q4_weight(102, 576)  # the last quad padded
+    packed = native.pack_q4(codes, d, m)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
+    x[2, 40] = 300.0
+    y = k.q4_matmul(x, packed, 102, "f32")
+    assert y.shape == (7, 102) and y.dtype == dtype
+    exact = x.double().numpy() @ dense.T
+    scale = np.abs(x.double().numpy()) @ np.abs(dense).T
+    bound = scale * 2.0 ** -16 + 1e-6 + (np.abs(exact) / 128 if dtype == torch.bfloat16 else 0)  # bf16 out
+    err = np.abs(y.double().numpy() - exact)
+    assert (err <= bound).all(), f"worst error {err.max():.3g} against its bound {bound.flat[err.argmax()]:.3g}"
+    if dtype == torch.float32:
+        assert np.median(err / scale) < 1e-7  # the integer kernel's is ~1e-5 (15-bit activations)
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        k.q4_matmul(torch.randn(2, 48), packed, 8, "f32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q4_in_fp32_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads(dtype):
+    """Invariant 4 for the fp32 kernel: 1-2 rows dequantize in registers, 3 and more read one buffer per
+    quad; either way, and on 1 or 2 threads, a row gets its bits alone."""
+    k = native_kernels()
+    codes, d, m, _ = _q4_weight(200, 1536, seed=3)
+    packed = native.pack_q4(codes, d, m)
+    gen = torch.Generator().manual_seed(4)
+    rows = (torch.randn(32, 1536, generator=gen) * 3).to(dtype)
+    _assert_rows_batch_invariant({"q4 f32": lambda x: k.q4_matmul(x, packed, 200, "f32")}, rows, gen)

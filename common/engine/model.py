@@ -126,20 +126,20 @@ class Int4Linear:
     """A weight in the model file's 4-bit blocks: w = q * d + m per 32 inputs (GGUF Q4_0 / Q4_1).
 
     With the native kernels (decode_matmul.c) it stays in the file's layout, fp16 d and m exact, and the
-    product takes the activations as 16-bit integers per block (the integer kernel) or in bf16 (bf16dot:
-    the bf16 dot kernel, CPUs with AVX512_BF16): the same weights as the dense path, every row's sums in a
-    fixed order. Without them it is packed for torch's CPU int4 kernel
+    product takes the activations as 16-bit integers per block (the integer kernel), in bf16 (bf16dot:
+    the bf16 dot kernel, CPUs with AVX512_BF16) or in fp32 (f32): the same weights as the dense path,
+    every row's sums in a fixed order. Without them it is packed for torch's CPU int4 kernel
     (bf16 activations, bf16 scales and zeros), which is also row-invariant but rounds more, and at 8-32
     rows was 10-20x slower here (an AVX2 host).
     """
 
-    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None, bf16dot: bool = False):
+    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None, kernel: str = "int"):
         codes = np.concatenate([p.codes for p in parts])  # [out, in] 0..15
         scales = np.concatenate([p.scales for p in parts])
         mins = np.concatenate([p.mins for p in parts])
         self.group = parts[0].GROUP
         self.kernels = kernels
-        self.bf16dot = bf16dot
+        self.kernel = kernel  # one of native.Q4_KERNELS, with kernels
         self.out_features = codes.shape[0]
         if kernels is not None:
             self.packed = native.pack_q4(codes, scales, mins)  # the file's codes and fp16 scales, exactly
@@ -155,7 +155,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.q4_matmul(x, self.packed, self.out_features, self.bf16dot)
+            return self.kernels.q4_matmul(x, self.packed, self.out_features, self.kernel)
         if x.dtype != torch.bfloat16:  # an fp32 model: the kernel's fast path is bf16 in, bf16 out
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros).to(x.dtype)
@@ -171,7 +171,8 @@ class Llama(torch.nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  int4: dict | None = None, native_matmuls: bool | str | None = None):
         """native_matmuls: how the packed weights are multiplied, one of native.MATMUL_MODES ("int":
-        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "torch": torch's int4
+        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one;
+        "torch": torch's int4
         kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by default by the CPU);
         attention and the row-wise ops are native either way, where the library builds."""
         super().__init__()
@@ -210,13 +211,13 @@ class Llama(torch.nn.Module):
                         "here (this CPU has no AVX512_BF16, or the library was built without the kernel); "
                         "using torch's int4 kernel instead")
             mode = "torch"
-        self.bf16dot = mode == "bf16dot" and self.kernels is not None
+        self.matmuls = mode if self.kernels is not None else "torch"  # how the packed weights are multiplied
         matmul_kernels = self.kernels if mode != "torch" else None
 
         def w4(*names: str) -> Int4Linear | None:
             if not self.has_int4 or any(n not in int4 for n in names):
                 return None
-            return Int4Linear([int4[n] for n in names], device, matmul_kernels, self.bf16dot)
+            return Int4Linear([int4[n] for n in names], device, matmul_kernels, self.matmuls)
 
         self.embed = w("model.embed_tokens.weight")  # [V, dim]
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
@@ -315,7 +316,7 @@ class Llama(torch.nn.Module):
             # The same layers in one native call (the per-op path below, on the same kernels, bit for bit).
             native_ops.decode_layers(h, self.native_layers, kv, self.cos, self.sin, positions, ctx.slot_mapping,
                                      ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size, c.num_heads,
-                                     c.head_dim, c.intermediate_size, c.rms_norm_eps, self.bf16dot)
+                                     c.head_dim, c.intermediate_size, c.rms_norm_eps, self.matmuls)
             return F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
         if native_ops is None:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [N, 1, D]

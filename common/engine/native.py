@@ -48,7 +48,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-sh
 PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLAGS]
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
 # 1 (or int): the packed weights go through decode_matmul.c's integer kernel; bf16: through its bf16 dot
-# kernel; 0: through torch's int4 kernel (and the int8 head through torch._int_mm), attention and the
+# kernel; f32: through its fp32 one; 0: through torch's int4 kernel (and the int8 head through torch._int_mm), attention and the
 # row-wise ops staying native; auto (unset): by the CPU (hardware.auto_matmuls).
 ENV_MATMUL = "HANDOFF_NATIVE_MATMUL"
 ENV_CACHE = "HANDOFF_NATIVE_CACHE"
@@ -67,16 +67,19 @@ SIGNATURES = {  # function (one per dtype suffix) -> argument types, as in decod
     "silu_mul": [_P, _I, _I, _P, _I],
     # decode_layers.c: h, rows, layers, the layers' weight pointers, kv, layer stride, cos, sin, positions,
     # slots, block tables, their stride, lens, block, heads, kv heads, head dim, hidden, ffn, eps, attention
-    # scale, threads, attention threads, the bf16 dot kernel (else the integer one)
+    # scale, threads, attention threads, the q4 kernel (Q4_KERNELS' index)
     "decode_layers": [_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I,
-                      _I],  # ..., bf16dot
+                      _I],  # ..., q4 kernel
 }
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # decode_matmul.c: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is
 # bf16, y's row stride, threads
 MATMUL_ARGS = {"q4_matmul": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
                "q4_matmul_bf16dot": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
+               "q4_matmul_f32": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
+# decode_matmul.c's kernels for the packed Q4 weights, in decode_layers.c's numbering
+Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_matmul_f32"}
 QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleaved: one stream per tile
 GROUP = 32
 
@@ -246,12 +249,11 @@ class DecodeKernels:
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), qkv.shape[0], heads, kv_heads,
             dim, layer_kv.data_ptr(), slots.data_ptr()), "rope_kv_write")
 
-    def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bf16dot: bool = False) -> torch.Tensor:
+    def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str = "int") -> torch.Tensor:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
-        blocks as `pack_q4` lays them out. bf16dot: by the bf16 dot kernel (`has_bf16dot`), else the
-        integer one."""
-        return self._matmul("q4_matmul_bf16dot" if bf16dot else "q4_matmul", x, (packed,), out_features, x.dtype)
+        blocks as `pack_q4` lays them out. kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
+        (the bf16 dot instruction, `has_bf16dot`) or "f32" (fp32 FMAs)."""
+        return self._matmul(Q4_KERNELS[kernel], x, (packed,), out_features, x.dtype)
 
     def q8_matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [rows, in] (fp32 or bf16) @ (codes * scale[:, None])^T → fp32 [rows, out], as `pack_q8` lays
@@ -276,11 +278,11 @@ class DecodeKernels:
     def decode_layers(self, h: torch.Tensor, layer_weights: ctypes.Array, kv: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                       lens: torch.Tensor, longest: int, block_size: int, heads: int, head_dim: int, ffn: int,
-                      eps: float, bf16dot: bool = False) -> None:
+                      eps: float, kernel: str = "int") -> None:
         """Every layer of a decode step (decode_layers.c) on the fp32 residual h [rows, hidden], in place:
         the same kernels as the per-op path, in one call. layer_weights: 6 pointers a layer (attn_norm, wqkv,
         wo, mlp_norm, w13, w2; the norms fp32, the matmuls as `pack_q4` lays them out); kv [layers, slots,
-        2, kv_heads, head_dim] contiguous; the rest as `attention` and `rope_kv_write` take them; bf16dot as
+        2, kv_heads, head_dim] contiguous; the rest as `attention` and `rope_kv_write` take them; kernel as
         `q4_matmul` takes it."""
         rows, hidden = h.shape
         layers, kv_heads = kv.shape[0], kv.shape[3]
@@ -292,7 +294,8 @@ class DecodeKernels:
             h.data_ptr(), rows, layers, layer_weights, kv.data_ptr(), kv[0].numel(), cos.data_ptr(), sin.data_ptr(),
             positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             lens.data_ptr(), block_size, heads, kv_heads, head_dim, hidden, ffn, eps, head_dim ** -0.5,
-            torch.get_num_threads(), self.attention_threads(rows, kv_heads, longest), bf16dot), "decode_layers")
+            torch.get_num_threads(), self.attention_threads(rows, kv_heads, longest),
+            list(Q4_KERNELS).index(kernel)), "decode_layers")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 F] contiguous → silu(gate) * up [rows, F]."""
@@ -312,14 +315,14 @@ def _off(variable: str) -> bool:
     return os.environ.get(variable, "1").strip().lower() in _OFF
 
 
-MATMUL_MODES = ("torch", "int", "bf16dot")
+MATMUL_MODES = ("torch", *Q4_KERNELS)
 
 
 def matmuls_mode() -> tuple[str, str]:
     """How decode's packed-weight matmuls run, and why (HANDOFF_NATIVE_MATMUL, else by the CPU): "torch"
-    (torch's int4 kernel and torch._int_mm), "int" (decode_matmul.c's integer kernel) or "bf16dot"
-    (decode_matmul.c's bf16 dot kernel, CPUs with AVX512_BF16). Raises ValueError on a value it does not
-    know."""
+    (torch's int4 kernel and torch._int_mm), or one of decode_matmul.c's kernels: "int" (integer
+    products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs). Raises
+    ValueError on a value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
     if value in _OFF:
         return "torch", f"torch's int4 kernel ({ENV_MATMUL}={value})"
@@ -327,10 +330,13 @@ def matmuls_mode() -> tuple[str, str]:
         return "int", f"decode_matmul.c, integer products ({ENV_MATMUL}={value})"
     if value == "bf16":
         return "bf16dot", f"decode_matmul.c, the bf16 dot instruction ({ENV_MATMUL}={value})"
+    if value in ("f32", "fp32"):
+        return "f32", f"decode_matmul.c, fp32 products ({ENV_MATMUL}={value})"
     if value in ("", "auto"):
         return auto_matmuls()
     raise ValueError(f"{ENV_MATMUL}={value!r}: use 1 or int (decode_matmul.c, integer products), bf16 "
-                     "(decode_matmul.c, the bf16 dot instruction), 0 (torch's int4 kernel) or auto")
+                     "(decode_matmul.c, the bf16 dot instruction), f32 (decode_matmul.c, fp32 products), 0 "
+                     "(torch's int4 kernel) or auto")
 
 
 @functools.cache
