@@ -250,6 +250,10 @@ def channel(address: str, *, credentials: grpc.ChannelCredentials | None = None,
     asyncio channel (grpc.aio), to be used on the event loop that creates it."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes),
+               # Its own connections: by default channels of a process to one address share them, so a
+               # new channel to a worker restarted at the same address could inherit the dead process's
+               # connection in reconnect backoff and fail "Connection refused" (ChannelCache).
+               ("grpc.use_local_subchannel_pool", 1),
                *KEEPALIVE_OPTIONS]
     api = grpc.aio if aio else grpc
     if credentials is None:
@@ -264,10 +268,10 @@ class ChannelCache:
 
     Peer addresses come and go with pods, so idle channels beyond `max_idle` are closed, least
     recently used first; a channel in use (inside `use()`) is never closed. A worker restarted at the
-    same address has a new epoch and gets a new channel: the old one may be in gRPC's reconnect backoff
-    after failing to reach the dead process, and would refuse calls for seconds after the new one is
-    up (a killed and restarted decode worker saw its pushes fail "Connection refused" that way). Idle
-    channels of the address's other epochs are closed then.
+    same address has a new epoch and gets a new channel, with connections of its own (`channel()`): the
+    old one may be in gRPC's reconnect backoff after failing to reach the dead process, and would refuse
+    calls for seconds after the new one is up (a killed and restarted decode worker saw its pushes fail
+    "Connection refused" that way). Idle channels of the address's other epochs are closed then.
     """
 
     def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,

@@ -33,6 +33,16 @@ def _q4_weight(out_features: int, in_features: int, seed: int = 0):
     return codes, d, m, dense
 
 
+def _q4_case(dtype: torch.dtype):
+    """102 outputs (the last quad padded) of random Q4 weights, packed and dense, and 7 rows of x with an
+    outlier channel, as SmolLM2 has (it coarsens only its own block in the integer kernel)."""
+    codes, d, m, dense = _q4_weight(102, 576)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
+    x[2, 40] = 300.0
+    return native.pack_q4(codes, d, m), dense, x
+
+
 def _quant_error_bound(x: torch.Tensor, dense: np.ndarray) -> np.ndarray:
     """|y - x @ W^T| allowed per [row, output]: each block of a row is rounded to 1/32767 of its largest
     |x| (half a step at most per element), plus fp32 accumulation slack."""
@@ -46,11 +56,7 @@ def _quant_error_bound(x: torch.Tensor, dense: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_q4_is_the_files_weights_times_x_within_the_quantization_error(dtype):
     k = native_kernels()
-    codes, d, m, dense = _q4_weight(102, 576)  # 102 outputs: the last quad is padded
-    packed = native.pack_q4(codes, d, m)
-    gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
-    x[2, 40] = 300.0  # an outlier channel, as SmolLM2 has: it coarsens only its own block
+    packed, dense, x = _q4_case(dtype)
     y = k.q4_matmul(x, packed, 102)
     assert y.shape == (7, 102) and y.dtype == dtype
     exact = x.double().numpy() @ dense.T
@@ -228,11 +234,7 @@ def test_q4_by_the_bf16_dot_is_the_files_weights_times_x_within_bf16_rounding(dt
     each at most) and sums their products in fp32, as torch's int4 kernel does: within 2^-8 of
     sum |x| |w|, and the same bits for an fp32 x as for that x rounded to bf16 first."""
     k = _bf16dot_kernels()
-    codes, d, m, dense = _q4_weight(102, 576)  # the last quad padded
-    packed = native.pack_q4(codes, d, m)
-    gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
-    x[2, 40] = 300.0
+    packed, dense, x = _q4_case(dtype)
     y = k.q4_matmul(x, packed, 102, kernel="bf16dot")
     assert y.shape == (7, 102) and y.dtype == dtype
     exact = x.double().numpy() @ dense.T
@@ -267,11 +269,7 @@ def test_q4_in_fp32_is_the_files_weights_times_x_to_fp32_rounding(dtype):
     the products with x in fp32: within fp32 accumulation error of the exact product, 2^8 times closer than
     the bf16 dot kernel's bound, with a bf16 x widened exactly."""
     k = native_kernels()
-    codes, d, m, dense = _q4_weight(102, 576)  # the last quad padded
-    packed = native.pack_q4(codes, d, m)
-    gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
-    x[2, 40] = 300.0
+    packed, dense, x = _q4_case(dtype)
     y = k.q4_matmul(x, packed, 102, "f32")
     assert y.shape == (7, 102) and y.dtype == dtype
     exact = x.double().numpy() @ dense.T

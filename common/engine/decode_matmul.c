@@ -580,27 +580,25 @@ DEFINE_TILE_F32(1)
 
 /* 3 rows against a quad, from the buffer: per block and 8 inputs k, each row's x loaded once and each
  * output's w once, for 12 FMAs (the same FMAs, in the same order per (row, output), as above). */
-#define DEFINE_TILE_F32B(RT)                                                                           \
-static void tile_f32b_##RT(const job_t *j, int64_t r0, int64_t quad, const __m256 *buf) {             \
-    const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
-    __m256 acc[RT][QUAD];                                                                              \
-    for (int r = 0; r < RT; r++)                                                                       \
-        for (int t = 0; t < QUAD; t++) acc[r][t] = _mm256_setzero_ps();                                \
-    const float *x0 = j->xf + r0 * in;                                                                 \
-    for (int64_t b = 0; b < blocks; b++) {                                                             \
-        for (int k = 0; k < 4; k++) {                                                                  \
-            __m256 x[RT];                                                                              \
-            for (int r = 0; r < RT; r++) x[r] = _mm256_loadu_ps(x0 + r * in + b * GROUP + 8 * k);      \
-            for (int t = 0; t < QUAD; t++) {                                                           \
-                const __m256 w = buf[(b * QUAD + t) * 4 + k];                                          \
-                for (int r = 0; r < RT; r++) acc[r][t] = _mm256_fmadd_ps(w, x[r], acc[r][t]);          \
-            }                                                                                          \
-        }                                                                                              \
-    }                                                                                                  \
-    for (int r = 0; r < RT; r++)                                                                       \
-        for (int t = 0; t < QUAD; t++) store_f32(j, r0 + r, quad, t, acc[r][t]);                       \
+static void tile_f32_3(const job_t *j, int64_t r0, int64_t quad, const __m256 *buf) {
+    const int64_t in = j->w.in, blocks = in / GROUP;
+    __m256 acc[3][QUAD];
+    for (int r = 0; r < 3; r++)
+        for (int t = 0; t < QUAD; t++) acc[r][t] = _mm256_setzero_ps();
+    const float *x0 = j->xf + r0 * in;
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int k = 0; k < 4; k++) {
+            __m256 x[3];
+            for (int r = 0; r < 3; r++) x[r] = _mm256_loadu_ps(x0 + r * in + b * GROUP + 8 * k);
+            for (int t = 0; t < QUAD; t++) {
+                const __m256 w = buf[(b * QUAD + t) * 4 + k];
+                for (int r = 0; r < 3; r++) acc[r][t] = _mm256_fmadd_ps(w, x[r], acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < 3; r++)
+        for (int t = 0; t < QUAD; t++) store_f32(j, r0 + r, quad, t, acc[r][t]);
 }
-DEFINE_TILE_F32B(3)
 
 static int quads_f32(const job_t *j, int64_t q_begin, int64_t q_end) {
     const int64_t blocks = j->w.in / GROUP;
@@ -616,7 +614,7 @@ static int quads_f32(const job_t *j, int64_t q_begin, int64_t q_end) {
             }
         }
         int64_t r = 0;
-        for (; r + 3 <= j->rows; r += 3) tile_f32b_3(j, r, q, buf);
+        for (; r + 3 <= j->rows; r += 3) tile_f32_3(j, r, q, buf);
         if (j->rows - r == 2) tile_f32_2(j, r, q, buf);
         else if (j->rows - r == 1) tile_f32_1(j, r, q, buf);
     }

@@ -143,7 +143,8 @@ def decode_verdict(raw: bytes, spec: Spec, cluster, num_blocks: int, push_attemp
         return Verdict({"INVALID_ARGUMENT"}, why="not a parseable DecodeRequest"), CALL_TIMEOUT_S, False
     d = cluster.decode[0]
     cfg = d.model.config
-    bad = sampling_violations(r.sampling, cfg.vocab_size)
+    bad = [] if r.request_id else ["request_id"]  # a repeated field 1 can leave it empty: the last one wins
+    bad += sampling_violations(r.sampling, cfg.vocab_size)
     if r.sampling.max_tokens < 1:
         bad.append("max_tokens")
     bad += id_violations(r.prompt_ids, cfg.vocab_size, cfg.max_position - 1, "prompt_ids")
