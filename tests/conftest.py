@@ -33,8 +33,10 @@ CHAT_QUESTION = "What is the capital of France?"
 
 # A test that runs away with memory gets the whole run killed by the kernel, with nothing in the log but
 # "Killed". Past this many GiB of resident memory the run stops itself instead and prints every thread's
-# stack: the test, and the line, that asked for it. The suite peaks near 4 GiB.
-MAX_RSS_GIB = float(os.environ.get("HANDOFF_TEST_MAX_RSS_GIB", "12"))
+# stack: the test, and the line, that asked for it. The whole suite's process peaked at 8.5 GiB on a 24 GB
+# machine (bf16 host; its fixtures and freed-but-kept heap add up); the fuzz input that got CI killed
+# asked for 17 GB at once.
+MAX_RSS_GIB = float(os.environ.get("HANDOFF_TEST_MAX_RSS_GIB", "16"))
 
 
 def _rss_bytes() -> int:
