@@ -173,6 +173,12 @@ static inline const uint8_t *record(const weight_t *w, int64_t quad, int64_t b) 
     return w->packed + (quad * (w->in / GROUP) + b) * size;
 }
 
+/* Output o of row `row`, in y's dtype. */
+static inline void put_y(const job_t *j, int64_t row, int64_t o, float v) {
+    if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = f32_to_bf16(v);
+    else ((float *)j->y)[row * j->y_stride + o] = v;
+}
+
 /* q4's offset term of the 4 outputs of a quad for one row: sum over blocks, in order, of m * sum(x). */
 static void offsets(const job_t *j, int64_t row, int64_t quad, float out[QUAD]) {
     const int64_t blocks = j->w.in / GROUP;
@@ -205,8 +211,7 @@ static void store(const job_t *j, int64_t row, int64_t quad, const float lanes[Q
         float v = sum8(lanes[t]);
         if (j->w.format == FORMAT_Q4) v += offset[t];
         else v *= j->w.scale[o];
-        if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = f32_to_bf16(v);
-        else ((float *)j->y)[row * j->y_stride + o] = v;
+        put_y(j, row, o, v);
     }
 }
 
@@ -451,9 +456,7 @@ static inline __attribute__((always_inline)) __m512bh dequant_bf16(const uint8_t
 static inline void store_bf16dot(const job_t *j, int64_t row, int64_t quad, int t, __m512 acc) {
     const int64_t o = quad * QUAD + t;
     if (o >= j->w.out) return; /* the last quad's padding */
-    const float v = _mm512_reduce_add_ps(acc);
-    if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = f32_to_bf16(v);
-    else ((float *)j->y)[row * j->y_stride + o] = v;
+    put_y(j, row, o, _mm512_reduce_add_ps(acc));
 }
 
 /* Rows r0 .. r0 + RT - 1 against a quad: weights dequantized in registers (few rows) or read back from
@@ -546,9 +549,7 @@ static inline void store_f32(const job_t *j, int64_t row, int64_t quad, int t, _
     if (o >= j->w.out) return;
     float lanes[8];
     _mm256_storeu_ps(lanes, acc);
-    const float v = sum8(lanes);
-    if (j->y_bf16) ((uint16_t *)j->y)[row * j->y_stride + o] = f32_to_bf16(v);
-    else ((float *)j->y)[row * j->y_stride + o] = v;
+    put_y(j, row, o, sum8(lanes));
 }
 
 /* 1 or 2 rows against a quad: the weights dequantized in registers (buf NULL) or read from the buffer. */
@@ -645,8 +646,7 @@ static int quads_f32(const job_t *j, int64_t q_begin, int64_t q_end) {
                 }
                 const float v = sum8(lanes);
                 const int64_t o = q * QUAD + t;
-                if (j->y_bf16) ((uint16_t *)j->y)[r * j->y_stride + o] = f32_to_bf16(v);
-                else ((float *)j->y)[r * j->y_stride + o] = v;
+                put_y(j, r, o, v);
             }
     return 0;
 }

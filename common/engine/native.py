@@ -48,8 +48,9 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-sh
 PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLAGS]
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
 # 1 (or int): the packed weights go through decode_matmul.c's integer kernel; bf16: through its bf16 dot
-# kernel; f32: through its fp32 one; 0: through torch's int4 kernel (and the int8 head through torch._int_mm), attention and the
-# row-wise ops staying native; auto (unset): by the CPU (hardware.auto_matmuls).
+# kernel; f32: through its fp32 one; 0: through torch's int4 kernel (and the int8 head through
+# torch._int_mm), attention and the row-wise ops staying native; auto (unset): by the CPU
+# (hardware.auto_matmuls).
 ENV_MATMUL = "HANDOFF_NATIVE_MATMUL"
 ENV_CACHE = "HANDOFF_NATIVE_CACHE"
 ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of building one
@@ -74,12 +75,11 @@ SIGNATURES = {  # function (one per dtype suffix) -> argument types, as in decod
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # decode_matmul.c: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is
 # bf16, y's row stride, threads
-MATMUL_ARGS = {"q4_matmul": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
-               "q4_matmul_bf16dot": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
-               "q4_matmul_f32": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
-               "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
-# decode_matmul.c's kernels for the packed Q4 weights, in decode_layers.c's numbering
+# decode_matmul.c's kernels for the packed Q4 weights, in decode_layers.c's numbering (Q4_INDEX)
 Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_matmul_f32"}
+Q4_INDEX = {kernel: i for i, kernel in enumerate(Q4_KERNELS)}
+MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I] for name in Q4_KERNELS.values()},
+               "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
 QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleaved: one stream per tile
 GROUP = 32
 
@@ -295,7 +295,7 @@ class DecodeKernels:
             positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             lens.data_ptr(), block_size, heads, kv_heads, head_dim, hidden, ffn, eps, head_dim ** -0.5,
             torch.get_num_threads(), self.attention_threads(rows, kv_heads, longest),
-            list(Q4_KERNELS).index(kernel)), "decode_layers")
+            Q4_INDEX[kernel]), "decode_layers")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 F] contiguous → silu(gate) * up [rows, F]."""
