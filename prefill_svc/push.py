@@ -41,8 +41,8 @@ def push_failed(worker_id: str, rid: str, target, exc: grpc.RpcError) -> Service
         return ServiceError(grpc.StatusCode.INTERNAL, message)  # what this worker sent was bad
     if code == grpc.StatusCode.DATA_LOSS:  # damaged in transit: neither worker is to blame
         return ServiceError(code, message, grpc_util.blame("link", target.worker_id, target.epoch))
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        code = grpc.StatusCode.UNAVAILABLE
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN):
+        code = grpc.StatusCode.UNAVAILABLE  # not reached in time, or no status at all (a target gRPC cannot dial)
     return ServiceError(code, message, grpc_util.blame("decode", target.worker_id, target.epoch))
 
 

@@ -378,6 +378,9 @@ def sampling_violations(s, vocab_size: int) -> list[str]:
         check("seed", s.seed <= MAX_SEED)
     check("stop", len(s.stop) <= 16 and all(1 <= len(x) <= 256 for x in s.stop))
     check("stop_token_ids", all(0 <= t < vocab_size for t in s.stop_token_ids))
+    logprobs = s.DESCRIPTOR.fields_by_name.get("logprobs")
+    if logprobs is not None and logprobs.type == logprobs.TYPE_UINT32 and has("logprobs"):
+        check("logprobs", s.logprobs <= 20)  # internal: alternatives per token, 0-20 (public: a bool)
     return bad
 
 
