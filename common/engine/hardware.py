@@ -46,12 +46,12 @@ def auto_dtype(device: str | torch.device = "cpu", flags: frozenset[str] | None 
 
 def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     """How decode's packed-weight matmuls should run (native.matmuls_mode's modes), and why. Where the CPU
-    has AVX512_BF16, decode_matmul.c's bf16 dot kernel: it dequantizes a weight block to bf16 once for all
-    rows and multiplies with the bf16 dot instruction, as torch's int4 kernel does, and the layer stack
-    stays one native call. On the avx512_bf16 VM it decoded one stream 1.55x, 8 streams 1.35x and 32
-    streams 1.31x as fast as torch's kernel, which was 1.7x the integer kernel from 8 streams on
-    (docs/benchmarks.md). Without it, with AVX2, the fp32 kernel, the same idea in fp32 FMAs: the library's
-    AVX2 build decoded 32 streams 1.43-1.44x and 8 streams 1.17-1.28x as fast as with the integer kernel
+    has AVX512_BF16, decode_matmul.c's bf16 dot kernel: it multiplies the file's 4-bit codes themselves
+    (exact in bf16) with bf16 activations by the bf16 dot instruction, and the layer stack stays one native
+    call. On the avx512_bf16 VM its 120 matmuls of a step took 2.4-3.5 ms at one row against the integer
+    kernel's 3.7-5.1 and 45-47 ms at 32 rows against 72-81 (the fp32 kernel's: 4.6-6.1 and 62-65;
+    docs/benchmarks.md). Without it, with AVX2, the fp32 kernel, which dequantizes a block once for all
+    rows and multiplies in fp32 FMAs: the library's AVX2 build decoded 32 streams 1.43-1.44x and 8 streams 1.17-1.28x as fast as with the integer kernel
     (one stream 0.82-0.89x: a row alone pays the dequantization a batch shares), and takes the model's
     fp32 activations unrounded. Without AVX2 (the plain C loops), the integer kernel. torch's int4
     kernel is 10-20x slower at 8-32 rows on AVX2 hosts (and 5x at one)."""

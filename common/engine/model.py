@@ -127,7 +127,8 @@ class Int4Linear:
 
     With the native kernels (decode_matmul.c) it stays in the file's layout, fp16 d and m exact, and the
     product takes the activations as 16-bit integers per block (the integer kernel), in bf16 (bf16dot:
-    the bf16 dot kernel, CPUs with AVX512_BF16) or in fp32 (f32): the same weights as the dense path,
+    the bf16 dot kernel, CPUs with AVX512_BF16, the codes exact in bf16) or in fp32 (f32): the same
+    weights as the dense path,
     every row's sums in a fixed order. Without them it is packed for torch's CPU int4 kernel
     (bf16 activations, bf16 scales and zeros), which is also row-invariant but rounds more, and at 8-32
     rows was 10-20x slower here (an AVX2 host).
