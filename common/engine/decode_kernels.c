@@ -66,11 +66,13 @@ static inline void prefetch_heads(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
 }
 
-/* The (row, KV head) items item_begin .. item_end - 1, a row's heads together: per position the slot's
- * K (then V) of all those heads is one contiguous read (one head at a time read 256 of every 1,536 bytes
+/* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the slot's
+ * K (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of every 1,536 bytes
  * and waited on memory: 4 rows of 1,500 positions took 2 ms a layer in fp32). Pointers are restrict:
  * with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked block by
- * block, in order; each (row, head)'s sums are the same operations in the same order as alone. */
+ * block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items are
+ * query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV
+ * heads the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
 #define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE)                                                    \
 static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
                 int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
@@ -79,7 +81,7 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
     const int64_t group = heads / kv_heads, slot_stride = 2 * kv_heads * dim;                          \
     int64_t longest = 0;                                                                               \
     for (int64_t it = item_begin; it < item_end; it++)                                                 \
-        if (lens[it / kv_heads] > longest) longest = lens[it / kv_heads];                              \
+        if (lens[it / heads] > longest) longest = lens[it / heads];                                    \
     float *restrict scores = malloc(sizeof(float) * (size_t)(heads * (longest ? longest : 1)));        \
     float *restrict qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                            \
     if (!scores || !qf) {                                                                              \
@@ -89,10 +91,10 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
     }                                                                                                  \
     float *restrict acc = qf + heads * dim, top[MAX_HEADS], inv[MAX_HEADS];                            \
     for (int64_t it = item_begin; it < item_end;) {                                                    \
-        const int64_t row = it / kv_heads, h0 = it % kv_heads;                                         \
-        const int64_t h1 = item_end - row * kv_heads < kv_heads ? item_end - row * kv_heads : kv_heads; \
-        it = row * kv_heads + h1;                                                                      \
-        const int64_t len = lens[row], hq0 = h0 * group, hq1 = h1 * group; /* query heads hq0 .. hq1-1 */ \
+        const int64_t row = it / heads, hq0 = it % heads; /* query heads hq0 .. hq1 - 1 of the row */  \
+        const int64_t hq1 = item_end - row * heads < heads ? item_end - row * heads : heads;           \
+        it = row * heads + hq1;                                                                        \
+        const int64_t len = lens[row], h0 = hq0 / group, h1 = (hq1 - 1) / group + 1; /* their KV heads */ \
         const int64_t *restrict blocks = table + row * table_stride;                                   \
         for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
             const T *qh = q + row * q_stride + hq * dim;                                               \
@@ -148,7 +150,7 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
     return 0;                                                                                          \
 }
 
-/* All rows x KV heads; split between `threads` threads of an OpenMP team (torch's, as the matmuls') when
+/* All rows x query heads; split between `threads` threads of an OpenMP team (torch's, as the matmuls') when
  * there is enough work. Which thread computes an item never changes its bits. */
 #define DEFINE_ATTENTION(NAME, ITEMS, T)                                                               \
 int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_t table_stride,        \
@@ -157,7 +159,7 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP || heads > MAX_HEADS || dim % LANES || dim > 256 \
         || block <= 0)                                                                                 \
         return -1;                                                                                     \
-    const int64_t items = rows * kv_heads;                                                             \
+    const int64_t items = rows * heads;                                                                \
     if (threads > items) threads = items;                                                              \
     if (threads <= 1)                                                                                  \
         return ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, out, 0, items); \

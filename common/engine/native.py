@@ -54,11 +54,11 @@ ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
 ENV_MATMUL = "HANDOFF_NATIVE_MATMUL"
 ENV_CACHE = "HANDOFF_NATIVE_CACHE"
 ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of building one
-# Below this much work ((row, KV head) items times the longest context) one thread does it all. The split
-# runs on torch's OpenMP team, whose threads are already awake, so it pays early: 2 rows of 107 positions
-# took 36 against 55 us on 2 threads, 32 rows of 130 0.43 against 0.84 ms, 1 row of 107 about the same
-# (34 against 36 us; fp32, this AVX2 host).
-SPLIT_MIN_WORK = 512
+# Below this much work ((row, query head) items times the longest context) one thread does it all. The
+# split runs on torch's OpenMP team, whose threads are already awake, so it pays early: 2 rows of 107
+# positions took 36 against 55 us on 2 threads, 32 rows of 130 0.43 against 0.84 ms, 1 row of 107 about
+# the same (34 against 36 us; fp32, an AVX2 host; measured in (row, KV head) items, 3 a row, and 512).
+SPLIT_MIN_WORK = 1536
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # function (one per dtype suffix) -> argument types, as in decode_kernels.c
@@ -221,7 +221,7 @@ class DecodeKernels:
         fn = self._fns["decode_attention", q.dtype]
         args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                 lens.data_ptr(), block_size, heads, kv_heads, dim, scale, out.data_ptr())
-        self._check(fn(*args, rows, self.attention_threads(rows, kv_heads, longest)), "attention")
+        self._check(fn(*args, rows, self.attention_threads(rows, heads, longest)), "attention")
         return out
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -272,8 +272,8 @@ class DecodeKernels:
             torch.get_num_threads()), name)
         return y
 
-    def attention_threads(self, rows: int, kv_heads: int, longest: int) -> int:
-        return torch.get_num_threads() if rows * kv_heads > 1 and rows * kv_heads * longest >= SPLIT_MIN_WORK else 1
+    def attention_threads(self, rows: int, heads: int, longest: int) -> int:
+        return torch.get_num_threads() if rows * heads > 1 and rows * heads * longest >= SPLIT_MIN_WORK else 1
 
     def decode_layers(self, h: torch.Tensor, layer_weights: ctypes.Array, kv: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
@@ -294,7 +294,7 @@ class DecodeKernels:
             h.data_ptr(), rows, layers, layer_weights, kv.data_ptr(), kv[0].numel(), cos.data_ptr(), sin.data_ptr(),
             positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             lens.data_ptr(), block_size, heads, kv_heads, head_dim, hidden, ffn, eps, head_dim ** -0.5,
-            torch.get_num_threads(), self.attention_threads(rows, kv_heads, longest),
+            torch.get_num_threads(), self.attention_threads(rows, heads, longest),
             Q4_INDEX[kernel]), "decode_layers")
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
