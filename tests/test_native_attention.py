@@ -169,9 +169,12 @@ def test_builds_are_kept_per_cpu_and_source(monkeypatch, tmp_path):
 
 def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_path, monkeypatch):
     """`python -m common.engine.native --portable OUT` (deploy/Dockerfile), loaded through
-    HANDOFF_NATIVE_LIBRARY as a compiler-less pod does."""
+    HANDOFF_NATIVE_LIBRARY as a compiler-less pod does. Its attention is the plain C loop (no AVX-512);
+    an AVX-512 build sums 16 positions' scores side by side: the same bits, so a pod's tokens do not
+    depend on which library it loaded."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
+    host = native_kernels()  # this host's own build, before the environment points elsewhere
     out = tmp_path / "decode_kernels.so"
     assert native.main(["--portable", str(out)]) == 0 and out.exists()
     monkeypatch.setenv(native.ENV_LIBRARY, str(out))
@@ -182,5 +185,8 @@ def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_pat
         assert k is not None and k.path == out
         q, kv, tables, lens = _case(torch.float32, [3, 90, 400])
         torch.testing.assert_close(_run(k, q, kv, tables, lens), _eager(q, kv, tables, lens), rtol=0, atol=1e-5)
+        for dtype in (torch.float32, torch.bfloat16):
+            q, kv, tables, lens = _case(dtype, [1, 15, 16, 17, 90, 400, 1031], seed=3)
+            assert torch.equal(_run(k, q, kv, tables, lens), _run(host, q, kv, tables, lens)), dtype
     finally:
         native.kernel.cache_clear()

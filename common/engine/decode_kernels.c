@@ -23,6 +23,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ATTENTION_AVX512 1
+#endif
 
 #include "decode_bf16.h"
 
@@ -58,6 +62,32 @@ static inline float sum_lanes(const float *l) { /* a fixed tree over the 16 lane
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
+#ifdef ATTENTION_AVX512
+/* sum_lanes of 16 vectors at once, the same additions on the same operands (so the same bits): the pairs
+ * of a level sit side by side in one register after a shuffle, so a level is a few vector adds, where one
+ * vector at a time was a chain of scalar adds per score. out[p] = sum_lanes(v[p]). */
+static inline void sum_lanes16(const __m512 v[16], float out[16]) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int j = 0; j < 8; j++) /* a_i = l_i + l_(i+8): positions 2j (lanes 0-7), 2j + 1 (8-15) */
+        l1[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xee));
+    for (int k = 0; k < 4; k++) /* a_i + a_(i+4): positions 4k .. 4k + 3, one per 128-bit quarter */
+        l2[k] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * k], l1[2 * k + 1], 0x88),
+                              _mm512_shuffle_f32x4(l1[2 * k], l1[2 * k + 1], 0xdd));
+    for (int m = 0; m < 2; m++) /* b0 = a0 + a2, b1 = a1 + a3 */
+        l3[m] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * m], l2[2 * m + 1], 0x44),
+                              _mm512_shuffle_ps(l2[2 * m], l2[2 * m + 1], 0xee));
+    /* b0 + b1; lane 4q + e holds position 4e + q, put back in order */
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xdd));
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s));
+}
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+#endif
+
 /* Asks for `bytes` at p to be fetched into the caches: the next block's slots, one position a step ahead
  * of the one in use. A block's 16 slots are contiguous but blocks lie anywhere, so the hardware
  * prefetcher loses the stream at every block boundary; without this the K and V loads waited on memory
@@ -66,6 +96,63 @@ static inline void prefetch_heads(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
 }
 
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+/* Scores of one block's n positions for query heads hq0 .. hq1 - 1 (q already scaled, fp32): scores[hq *
+ * len + i] = q . k, 16 lanes (lane l: dims l, 16 + l, ...; a fused multiply-add each, from zero), then
+ * sum_lanes; and each head's running maximum. `next` (the following block, or NULL) is prefetched a
+ * position at a time. Both versions compute the same bits: the AVX-512 one takes 16 positions at once so
+ * that sum_lanes16 sums them side by side. */
+#ifdef ATTENTION_AVX512
+#define DEFINE_SCORES(NAME, T, LOAD, VLOAD)                                                            \
+static inline void NAME(const float *restrict qf, const T *restrict slots, const T *next, int64_t n,   \
+                        int64_t slot_stride, int64_t hq0, int64_t hq1, int64_t group, int64_t dim,     \
+                        float *restrict scores, int64_t len, float *restrict top) {                    \
+    const int64_t h0 = hq0 / group, bytes = ((hq1 - 1) / group + 1 - h0) * dim * (int64_t)sizeof(T);   \
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {                                                           \
+        const int64_t m = n - i0 < 16 ? n - i0 : 16;                                                   \
+        for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
+            __m512 lanes[16];                                                                          \
+            float sc[16];                                                                              \
+            for (int64_t p = 0; p < 16; p++) {                                                         \
+                lanes[p] = _mm512_setzero_ps();                                                        \
+                if (p >= m) continue;                                                                  \
+                if (next && hq == hq0) prefetch_heads(next + (i0 + p) * slot_stride + h0 * dim, bytes); \
+                const T *k = slots + (i0 + p) * slot_stride + (hq / group) * dim;                      \
+                for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                            \
+                    lanes[p] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + hq * dim + d0), VLOAD(k + d0), lanes[p]); \
+            }                                                                                          \
+            sum_lanes16(lanes, sc);                                                                    \
+            for (int64_t p = 0; p < m; p++) {                                                          \
+                scores[hq * len + i0 + p] = sc[p];                                                     \
+                if (sc[p] > top[hq]) top[hq] = sc[p];                                                  \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+}
+#else
+#define DEFINE_SCORES(NAME, T, LOAD, VLOAD)                                                            \
+static inline void NAME(const float *restrict qf, const T *restrict slots, const T *next, int64_t n,   \
+                        int64_t slot_stride, int64_t hq0, int64_t hq1, int64_t group, int64_t dim,     \
+                        float *restrict scores, int64_t len, float *restrict top) {                    \
+    const int64_t h0 = hq0 / group, bytes = ((hq1 - 1) / group + 1 - h0) * dim * (int64_t)sizeof(T);   \
+    for (int64_t i = 0; i < n; i++) {                                                                  \
+        if (next) prefetch_heads(next + i * slot_stride + h0 * dim, bytes);                            \
+        for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
+            const T *k = slots + i * slot_stride + (hq / group) * dim;                                 \
+            float lanes[LANES] = {0};                                                                  \
+            for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                                \
+                for (int l = 0; l < LANES; l++) lanes[l] += qf[hq * dim + d0 + l] * LOAD(k[d0 + l]);   \
+            const float sc = sum_lanes(lanes);                                                         \
+            scores[hq * len + i] = sc;                                                                 \
+            if (sc > top[hq]) top[hq] = sc;                                                            \
+        }                                                                                              \
+    }                                                                                                  \
+}
+#endif
+DEFINE_SCORES(scores_bf16, uint16_t, bf16_to_f32, load16_bf16)
+DEFINE_SCORES(scores_f32, float, LOAD_F32, load16_f32)
+
 /* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the slot's
  * K (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of every 1,536 bytes
  * and waited on memory: 4 rows of 1,500 positions took 2 ms a layer in fp32). Pointers are restrict:
@@ -73,7 +160,7 @@ static inline void prefetch_heads(const void *p, int64_t bytes) {
  * block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items are
  * query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV
  * heads the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
-#define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE)                                                    \
+#define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE, SCORES)                                                 \
 static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
                 int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
                 int64_t kv_heads, int64_t dim, float scale, T *restrict out, int64_t item_begin,       \
@@ -105,18 +192,7 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
             const T *slots = kv + blocks[p0 / block] * block * slot_stride;                            \
             const int64_t n = len - p0 < block ? len - p0 : block;                                     \
             const T *next = p0 + block < len ? kv + blocks[p0 / block + 1] * block * slot_stride : NULL;  \
-            for (int64_t i = 0; i < n; i++) {                                                          \
-                if (next) prefetch_heads(next + i * slot_stride + h0 * dim, (h1 - h0) * dim * (int64_t)sizeof(T)); \
-                for (int64_t hq = hq0; hq < hq1; hq++) {                                               \
-                    const T *k = slots + i * slot_stride + (hq / group) * dim;                         \
-                    float lanes[LANES] = {0};                                                          \
-                    for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                        \
-                        for (int l = 0; l < LANES; l++) lanes[l] += qf[hq * dim + d0 + l] * LOAD(k[d0 + l]); \
-                    const float sc = sum_lanes(lanes);                                                 \
-                    scores[hq * len + p0 + i] = sc;                                                    \
-                    if (sc > top[hq]) top[hq] = sc;                                                    \
-                }                                                                                      \
-            }                                                                                          \
+            SCORES(qf, slots, next, n, slot_stride, hq0, hq1, group, dim, scores + p0, len, top);       \
         }                                                                                              \
         for (int64_t hq = hq0; hq < hq1; hq++) { /* softmax weights, positions in order */             \
             float *sg = scores + hq * len, total = 0.0f;                                               \
@@ -173,10 +249,8 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
     return err;                                                                                        \
 }
 
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
-DEFINE_ATTENTION_ITEMS(attention_items_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ATTENTION_ITEMS(attention_items_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ATTENTION_ITEMS(attention_items_bf16, uint16_t, bf16_to_f32, f32_to_bf16, scores_bf16)
+DEFINE_ATTENTION_ITEMS(attention_items_f32, float, LOAD_F32, STORE_F32, scores_f32)
 DEFINE_ATTENTION(decode_attention_bf16, attention_items_bf16, uint16_t)
 DEFINE_ATTENTION(decode_attention_f32, attention_items_f32, float)
 
