@@ -114,10 +114,12 @@ static inline void NAME(const float *restrict qf, const T *restrict slots, const
         for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
             __m512 lanes[16];                                                                          \
             float sc[16];                                                                              \
+            if (next) /* the chunk's positions of the next block, spread over the heads */            \
+                for (int64_t p = hq - hq0; p < m; p += hq1 - hq0)                                      \
+                    prefetch_heads(next + (i0 + p) * slot_stride + h0 * dim, bytes);                   \
             for (int64_t p = 0; p < 16; p++) {                                                         \
                 lanes[p] = _mm512_setzero_ps();                                                        \
                 if (p >= m) continue;                                                                  \
-                if (next && hq == hq0) prefetch_heads(next + (i0 + p) * slot_stride + h0 * dim, bytes); \
                 const T *k = slots + (i0 + p) * slot_stride + (hq / group) * dim;                      \
                 for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                            \
                     lanes[p] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + hq * dim + d0), VLOAD(k + d0), lanes[p]); \
