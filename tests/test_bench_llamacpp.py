@@ -33,6 +33,24 @@ def test_skip_line_names_the_figures_and_how_to_get_them(monkeypatch, capsys):
     assert "make bench-peers" in rec["how"] and "make bench-peers" in err
 
 
+def test_the_long_context_figure_is_listed_only_where_it_runs():
+    assert engine.llama_cpp_figures({"decode"}, {128: 5}, [1, 8], long_context=1024) == [
+        "decode_tok_s_1seq_vs_llama_cpp", "decode_tok_s_1seq_ctx1024_vs_llama_cpp"]
+    assert engine.llama_cpp_figures({"decode"}, {128: 5}, [8, 32], long_context=1024) == []
+
+
+def test_one_stream_at_a_long_context_is_measured_against_hf(capsys):
+    """bench_decode_long (llama.cpp absent here, or not): ours and HF step in turn after a longer prompt,
+    and the figure names its context."""
+    ours, hf = engine.Ours("bf16", num_blocks=32), engine.HF("bf16")
+    capsys.readouterr()
+    engine.bench_decode_long(ours, hf, 160, steps=3, warmup=1, llama=None)
+    [rec] = json_lines(capsys.readouterr().out)
+    assert rec["name"] == "decode_tok_s_1seq_ctx160" and rec["peer"] == engine.PEER and rec["context_len"] == 160
+    assert rec["value"] > 0 and rec["peer_value"] > 0 and rec["steps"] == 3
+    assert ours.runner.cache.pool.num_used_blocks == 0  # the loops freed their sequences
+
+
 def test_no_llama_cpp_line_when_the_sections_need_no_peer(capsys):
     assert engine.llama_cpp_figures({"bandwidth", "memory"}, {128: 5}, [1, 8]) == []
     assert engine.llama_cpp_figures({"decode"}, {128: 5}, [8, 32]) == []  # llama.cpp decodes at 1 stream only
@@ -53,7 +71,7 @@ def test_tiny_run_emits_the_llama_cpp_figures(capsys):
     from common.bench.bandwidth import ReadBandwidth
 
     threads = torch.get_num_threads()
-    figures = engine.llama_cpp_figures({"prefill", "decode"}, {128: 1}, [1])
+    figures = engine.llama_cpp_figures({"prefill", "decode"}, {128: 1}, [1], long_context=160)
     ours, hf = engine.Ours("bf16", num_blocks=32), engine.HF("bf16")
     llama = engine.load_llama_cpp(figures, threads, n_ctx=512)
     assert llama is not None and llama.llm.context_params.n_threads == threads
@@ -68,7 +86,8 @@ def test_tiny_run_emits_the_llama_cpp_figures(capsys):
     bandwidth.measure(1)
     capsys.readouterr()
     engine.bench_prefill(ours, hf, {128: 1}, llama)
-    engine.bench_decode(ours, hf, [1], steps=3, warmup=1, bandwidth=bandwidth, dtype="bf16", llama=llama)
+    engine.bench_decode(ours, hf, [1], steps=3, warmup=1, bandwidth=bandwidth, dtype="bf16", llama=llama,
+                        long_context=160)
     recs = {r["name"]: r for r in json_lines(capsys.readouterr().out)}
 
     assert [n for n in recs if n.endswith("_vs_llama_cpp")] == figures

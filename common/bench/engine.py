@@ -17,9 +17,9 @@ kernels a newer transformers finds installed; here its default load gave the sam
 
 The second peer is llama.cpp (llama-cpp-python, `common/bench/llamacpp.py`) on the same file with its
 own packed-weight kernels, fed the same token ids, with the same thread count: prefill at 128 and 512
-tokens and decode at one stream take turns with ours in the same sections. It is optional (`make
-bench-peers`); without it one line {"name": "llama_cpp_peer", "skipped", "how", "figures"} says which
-figures were left out and how to get them.
+tokens and decode at one stream (at 107 and 1,024 tokens) take turns with ours in the same sections. It
+is optional (`make bench-peers`); without it one line {"name": "llama_cpp_peer", "skipped", "how",
+"figures"} says which figures were left out and how to get them.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 MODEL = "smollm2"
 CHAT_PROMPT_LEN = 107  # DESIGN.md's decode context: a 107-token chat prompt
+LONG_CONTEXT = 1024  # one stream again at a long context, where attention is most of a step (not in --quick)
 SECTIONS = ("bandwidth", "prefill", "decode", "memory", "dtypes", "prefix")
 PEER = "hf-transformers"
 LLAMA_CPP_PREFILL_LENS = (128, 512)  # the prompt lengths llama.cpp prefills (the issue's; 2,048 is HF's alone)
@@ -432,9 +433,10 @@ def bench_dtypes(num_blocks: int, batches: list[int], steps: int, warmup: int, r
 
 
 def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int,
-                 bandwidth: ReadBandwidth, dtype: str, llama: LlamaCpp | None = None) -> None:
+                 bandwidth: ReadBandwidth, dtype: str, llama: LlamaCpp | None = None,
+                 long_context: int | None = None) -> None:
     """Per batch size: the engine, the bare runner and HF (and llama.cpp at batch 1) step in turn, one step
-    each, `steps` times."""
+    each, `steps` times. With `long_context`, one stream again after a prompt of that many tokens."""
     from common.bench.bandwidth import decode_bound_tok_s
 
     _, prompt_ids = chat_prompt(ours.tokenizer, CHAT_PROMPT_LEN)
@@ -493,6 +495,8 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
                 emit(f"decode_batch_invariant_prefix_1_vs_{bsz}seq", same,
                      f"tokens of {n}: sequence 0's greedy output at batch 1 equal to its output at batch {bsz}",
                      target=f"== {n}", met=same == n)
+    if long_context and 1 in batches:
+        bench_decode_long(ours, hf, long_context, steps, warmup, llama)
     gbs = bandwidth.gbs
     emit("memory_read_bandwidth", gbs, "GB/s (best pass, torch row-sum over fp32)", passes=bandwidth.num_passes,
          tensor_bytes=bandwidth.num_bytes)
@@ -511,6 +515,31 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         frac = engine_tok_s_1 / bound
         emit(f"decode_1seq_fraction_of_bound_{label}", frac, "fraction (engine tok/s at 1 seq / bound)",
              target=">= 0.6", met=frac >= 0.6)
+
+
+def bench_decode_long(ours: Ours, hf: HF, context: int, steps: int, warmup: int, llama: LlamaCpp | None) -> None:
+    """One stream after a `context`-token chat prompt: the engine, HF and llama.cpp one step each in turn.
+    At a long context attention is a large part of a step; at 107 tokens it is not."""
+    _, prompt_ids = chat_prompt(ours.tokenizer, context)
+    log(f"decode 1 seq at {context} tokens: prefilling in each system")
+    loops = [EngineDecode(ours, prompt_ids, 1, warmup + steps + 8), HFDecode(hf, prompt_ids, 1, warmup + steps + 8)]
+    if llama is not None:
+        loops.append(llamacpp.LlamaCppDecode(llama, prompt_ids, warmup + steps + 8))
+    for loop in loops:
+        loop.steps(warmup)
+    times = {name: [s for r in rs for s in r]
+             for name, rs in interleave({loop.name: partial(loop.steps, 1) for loop in loops}, steps).items()}
+    tok_s = {name: 1 / statistics.median(ts) for name, ts in times.items()}
+    best = {name: 1 / min(ts) for name, ts in times.items()}
+    log(f"decode 1 seq at {context} tokens: " + ", ".join(f"{n} {x:.1f}" for n, x in tok_s.items())
+        + " tok/s (median step)")
+    for peer, suffix in ((PEER, ""), (llamacpp.NAME, "_vs_llama_cpp")):
+        if peer in tok_s:
+            emit(f"decode_tok_s_1seq_ctx{context}{suffix}", tok_s["engine"], "tok/s (Engine.step, median step)",
+                 peer=peer, peer_value=tok_s[peer], batch=1, context_len=context, steps=steps,
+                 best_ratio=best["engine"] / best[peer])
+    for loop in reversed(loops):
+        loop.close()
 
 
 def bench_memory(probes: dict[str, subprocess.Popen]) -> None:
@@ -577,12 +606,15 @@ def profile_decode(dtype: str) -> None:
         loop.close()
 
 
-def llama_cpp_figures(sections: set[str], prefill_sizes: dict[int, int], batches: list[int]) -> list[str]:
+def llama_cpp_figures(sections: set[str], prefill_sizes: dict[int, int], batches: list[int],
+                      long_context: int | None = None) -> list[str]:
     """The figures llama.cpp takes part in, in a run of these sections and sizes."""
     names = [f"prefill_tok_s_{n}_vs_llama_cpp" for n in prefill_sizes
              if n in LLAMA_CPP_PREFILL_LENS and "prefill" in sections]
     if "decode" in sections and 1 in batches:
         names.append("decode_tok_s_1seq_vs_llama_cpp")
+        if long_context:
+            names.append(f"decode_tok_s_1seq_ctx{long_context}_vs_llama_cpp")
     return names
 
 
@@ -617,6 +649,7 @@ def main(argv: list[str] | None = None) -> None:
     prefill_sizes = {128: 5} if q else {128: 15, 512: 9, 2048: 5}
     batches = [1, 8] if q else [1, 8, 32]
     steps, warmup = (16, 4) if q else (64, 8)
+    long_context = None if q else LONG_CONTEXT
     t_start = time.perf_counter()
     from common.engine import native
     from common.engine.hardware import auto_dtype, reported_flags
@@ -637,10 +670,11 @@ def main(argv: list[str] | None = None) -> None:
         log("loading ours and HF" + (" (the memory probes load in parallel)" if probes else ""))
         max_tokens = warmup + steps + 16
         num_blocks = max(max(prefill_sizes) // 16 + 1,
-                         2 * max(batches) * -(-(CHAT_PROMPT_LEN + max_tokens) // 16))
+                         2 * max(batches) * -(-(CHAT_PROMPT_LEN + max_tokens) // 16),
+                         2 * -(-((long_context or 0) + max_tokens) // 16))
         ours, hf = Ours(args.dtype, num_blocks), HF(args.dtype)
-        llama = load_llama_cpp(llama_cpp_figures(sections, prefill_sizes, batches), args.threads,
-                               n_ctx=max(*LLAMA_CPP_PREFILL_LENS, CHAT_PROMPT_LEN + max_tokens))
+        llama = load_llama_cpp(llama_cpp_figures(sections, prefill_sizes, batches, long_context), args.threads,
+                               n_ctx=max(*LLAMA_CPP_PREFILL_LENS, (long_context or CHAT_PROMPT_LEN) + max_tokens))
     if probes:
         log("waiting for the memory probes")
         bench_memory(probes)
@@ -655,7 +689,7 @@ def main(argv: list[str] | None = None) -> None:
     if "prefill" in sections:
         bench_prefill(ours, hf, prefill_sizes, llama)
     if "decode" in sections:
-        bench_decode(ours, hf, batches, steps, warmup, bandwidth, args.dtype, llama)
+        bench_decode(ours, hf, batches, steps, warmup, bandwidth, args.dtype, llama, long_context)
     if "prefix" in sections:
         bench_prefix(args.dtype, 5 if q else 9)
     if "dtypes" in sections:
