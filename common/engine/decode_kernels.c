@@ -79,7 +79,8 @@ static inline void sum_lanes16(const __m512 v[16], float out[16]) {
                               _mm512_shuffle_ps(l2[2 * m], l2[2 * m + 1], 0xee));
     /* b0 + b1; lane 4q + e holds position 4e + q, put back in order */
     const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xdd));
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s));
 }
 
 static inline __m512 load16_bf16(const uint16_t *p) {
@@ -88,10 +89,10 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 #endif
 
-/* Asks for `bytes` at p to be fetched into the caches: the next block's slots, one position a step ahead
- * of the one in use. A block's 16 slots are contiguous but blocks lie anywhere, so the hardware
- * prefetcher loses the stream at every block boundary; without this the K and V loads waited on memory
- * for most of a long context's attention. Reads nothing: the sums are the same. */
+/* Asks for `bytes` at p to be fetched into the caches: a slot of the next block, while the current block
+ * is read. A block's 16 slots are contiguous but blocks lie anywhere, so the hardware prefetcher loses the
+ * stream at every block boundary; without this the K and V loads waited on memory for most of a long
+ * context's attention. Reads nothing: the sums are the same. */
 static inline void prefetch_heads(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
 }
@@ -101,7 +102,7 @@ static inline void prefetch_heads(const void *p, int64_t bytes) {
 /* Scores of one block's n positions for query heads hq0 .. hq1 - 1 (q already scaled, fp32): scores[hq *
  * len + i] = q . k, 16 lanes (lane l: dims l, 16 + l, ...; a fused multiply-add each, from zero), then
  * sum_lanes; and each head's running maximum. `next` (the following block, or NULL) is prefetched a
- * position at a time. Both versions compute the same bits: the AVX-512 one takes 16 positions at once so
+ * few slots at a time. Both versions compute the same bits: the AVX-512 one takes 16 positions at once so
  * that sum_lanes16 sums them side by side. */
 #ifdef ATTENTION_AVX512
 #define DEFINE_SCORES(NAME, T, LOAD, VLOAD)                                                            \
@@ -155,14 +156,15 @@ static inline void NAME(const float *restrict qf, const T *restrict slots, const
 DEFINE_SCORES(scores_bf16, uint16_t, bf16_to_f32, load16_bf16)
 DEFINE_SCORES(scores_f32, float, LOAD_F32, load16_f32)
 
-/* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the slot's
- * K (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of every 1,536 bytes
- * and waited on memory: 4 rows of 1,500 positions took 2 ms a layer in fp32). Pointers are restrict:
+/* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the
+ * slot's K (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of
+ * every 1,536 bytes and waited on memory: 4 rows of 1,500 positions took 2 ms a layer in fp32). The next
+ * block is prefetched while one is read, for scores and for V alike. Pointers are restrict:
  * with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked block by
  * block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items are
  * query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV
  * heads the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
-#define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE, SCORES)                                                 \
+#define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE, SCORES)                                            \
 static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
                 int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
                 int64_t kv_heads, int64_t dim, float scale, T *restrict out, int64_t item_begin,       \
