@@ -45,9 +45,12 @@ def run_status(url: str, *args: str) -> tuple[int, str, str]:
 
 
 def status_process(*args: str, **popen) -> subprocess.Popen:
+    """router.status as a terminal runs it: SIGINT at its default, so that Python turns it into
+    KeyboardInterrupt (Ctrl-C), even where this test run inherited it ignored (a script's background job)."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "REDIS_PASSWORD")}
     return subprocess.Popen([sys.executable, "-m", "router.status", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
 
 
 # --- against a Redis holding registered workers and records ------------------------------------
