@@ -40,7 +40,9 @@ def ids_of(msgs) -> list[int]:
 
 def test_concurrent_streams_share_one_message_per_step(cluster):
     d = cluster.decode[0]
-    specs = [dict(prompt=f"Tell me about the number {i}.", max_tokens=24, ignore_eos=True,
+    # 64 tokens each: the 8 decodes overlap for most of their steps whatever the speed of the machine (with
+    # 24, a fast decode worker finished the first requests while the prefill worker still had the last).
+    specs = [dict(prompt=f"Tell me about the number {i}.", max_tokens=64, ignore_eos=True,
                   **(dict(temperature=0.0) if i % 2 else dict(temperature=0.9, seed=i))) for i in range(8)]
     alone = [ids_of(generate(cluster, **s)) for s in specs]
     messages = metrics.DECODE_SESSION_MESSAGES.labels(d.config.worker_id)
