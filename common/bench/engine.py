@@ -432,6 +432,17 @@ def bench_dtypes(num_blocks: int, batches: list[int], steps: int, warmup: int, r
             loop.close()
 
 
+def step_in_turn(loops: list, rows: int, steps: int, warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+    """`warmup` steps of each decode loop, then one step of each in turn, `steps` times (a slow spell of the
+    shared machine lands on all of them alike). Returns tok/s per loop name: at the median step, at the best."""
+    for loop in loops:
+        loop.steps(warmup)
+    times = {name: [s for r in rs for s in r]
+             for name, rs in interleave({loop.name: partial(loop.steps, 1) for loop in loops}, steps).items()}
+    return ({name: rows / statistics.median(ts) for name, ts in times.items()},
+            {name: rows / min(ts) for name, ts in times.items()})
+
+
 def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int,
                  bandwidth: ReadBandwidth, dtype: str, llama: LlamaCpp | None = None,
                  long_context: int | None = None) -> None:
@@ -451,13 +462,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         if llama is not None and bsz == 1:
             loops.append(llamacpp.LlamaCppDecode(llama, prompt_ids, max_tokens))
         by_name = {loop.name: loop for loop in loops}
-        for loop in loops:
-            loop.steps(warmup)
-        # One step of each in turn: a slow spell of the shared machine lands on all of them alike.
-        times = {name: [s for r in rs for s in r]
-                 for name, rs in interleave({loop.name: partial(loop.steps, 1) for loop in loops}, steps).items()}
-        tok_s = {name: bsz / statistics.median(ts) for name, ts in times.items()}
-        best = {name: bsz / min(ts) for name, ts in times.items()}
+        tok_s, best = step_in_turn(loops, bsz, steps, warmup)
         log(f"decode {bsz} seq: " + ", ".join(f"{name} {x:.1f}" for name, x in tok_s.items()) + " tok/s (median step)")
         goal = targets.get(bsz)
         kw = dict(target=f"ratio >= {goal}", met=tok_s["engine"] / tok_s[PEER] >= goal) if goal else {}
@@ -525,12 +530,7 @@ def bench_decode_long(ours: Ours, hf: HF, context: int, steps: int, warmup: int,
     loops = [EngineDecode(ours, prompt_ids, 1, warmup + steps + 8), HFDecode(hf, prompt_ids, 1, warmup + steps + 8)]
     if llama is not None:
         loops.append(llamacpp.LlamaCppDecode(llama, prompt_ids, warmup + steps + 8))
-    for loop in loops:
-        loop.steps(warmup)
-    times = {name: [s for r in rs for s in r]
-             for name, rs in interleave({loop.name: partial(loop.steps, 1) for loop in loops}, steps).items()}
-    tok_s = {name: 1 / statistics.median(ts) for name, ts in times.items()}
-    best = {name: 1 / min(ts) for name, ts in times.items()}
+    tok_s, best = step_in_turn(loops, 1, steps, warmup)
     log(f"decode 1 seq at {context} tokens: " + ", ".join(f"{n} {x:.1f}" for n, x in tok_s.items())
         + " tok/s (median step)")
     for peer, suffix in ((PEER, ""), (llamacpp.NAME, "_vs_llama_cpp")):

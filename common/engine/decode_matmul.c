@@ -71,7 +71,7 @@ typedef struct {
     weight_t w;
     const int16_t *xq; /* [rows, in]: x / sx, rounded */
     const float *sx;   /* [rows, in / 32] */
-    const float *sumx; /* [rows, in / 32]: the exact fp32 sum of each block of x */
+    const float *sumx; /* [rows, in / 32]: the exact fp32 sum of each block of x (bf16 dot: 4 lanes a block) */
     const uint16_t *xb; /* q4 by the bf16 dot: [rows, in], x in bf16 */
     const float *xf;    /* q4 in fp32: [rows, in] */
     int64_t rows;
@@ -469,9 +469,9 @@ static inline __attribute__((always_inline)) __m512 spread_bf16dot(const uint8_t
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), four);
 }
 
-/* One row's block sums: sx [blocks, 4] = -128 * the lane's sum of x, sumx [blocks, 4] = the lane's sum of x,
- * each in fp32 in input order (x bf16, so each term is exact). */
-static void lane_sums_bf16dot(const uint16_t *x, int64_t in, float *sx, float *sumx) {
+/* One row's block sums: sumx [blocks, 4] = the lane's sum of x, in fp32 in input order (x bf16, so each
+ * term is exact). */
+static void lane_sums_bf16dot(const uint16_t *x, int64_t in, float *sumx) {
     for (int64_t b = 0; b < in / GROUP; b++)
         for (int l = 0; l < BF16DOT_LANES; l++) {
             float s = 0.0f;
@@ -481,7 +481,6 @@ static void lane_sums_bf16dot(const uint16_t *x, int64_t in, float *sx, float *s
                 s += bf16_to_f32(p[1]);
             }
             sumx[b * BF16DOT_LANES + l] = s;
-            sx[b * BF16DOT_LANES + l] = -128.0f * s; /* exact */
         }
 }
 
@@ -498,12 +497,13 @@ static void tile_bf16dot_##RT(const job_t *j, int64_t r0, int64_t quad) {       
         for (int r = 0; r < RT; r++) {                                                                 \
             const uint16_t *x = j->xb + (r0 + r) * in + b * GROUP;                                     \
             const int64_t at = ((r0 + r) * blocks + b) * BF16DOT_LANES;                                \
-            __m512 t = _mm512_broadcast_f32x4(_mm_loadu_ps(j->sx + at));                               \
+            const __m512 sums = _mm512_broadcast_f32x4(_mm_loadu_ps(j->sumx + at));                    \
+            __m512 t = _mm512_mul_ps(sums, _mm512_set1_ps(-128.0f)); /* exact */                       \
             for (int k = 0; k < 4; k++)                                                                \
                 t = _mm512_dpbf16_ps(t, w[k], (__m512bh)_mm512_broadcast_i32x4(                        \
                                                   _mm_loadu_si128((const __m128i *)(x + 8 * k))));     \
             acc[r] = _mm512_fmadd_ps(t, d, acc[r]);                                                    \
-            accm[r] = _mm512_fmadd_ps(_mm512_broadcast_f32x4(_mm_loadu_ps(j->sumx + at)), m, accm[r]); \
+            accm[r] = _mm512_fmadd_ps(sums, m, accm[r]);                                               \
         }                                                                                              \
     }                                                                                                  \
     for (int r = 0; r < RT; r++) {                                                                     \
@@ -770,7 +770,7 @@ int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows,
     if (!rows) return 0;
     const int64_t blocks = in / GROUP;
     uint16_t *xb = NULL;
-    float *sums = malloc((size_t)(2 * rows * blocks * BF16DOT_LANES) * sizeof *sums);
+    float *sums = malloc((size_t)(rows * blocks * BF16DOT_LANES) * sizeof *sums);
     if (!sums || ((!x_bf16 || x_stride != in) && !(xb = malloc((size_t)(rows * in) * sizeof *xb)))) {
         free(sums);
         return -ENOMEM;
@@ -782,11 +782,9 @@ int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows,
             for (int64_t k = 0; k < in; k++)
                 xb[r * in + k] = x_bf16 ? ((const uint16_t *)x)[r * x_stride + k]
                                         : f32_to_bf16(((const float *)x)[r * x_stride + k]);
-        lane_sums_bf16dot(xr + r * in, in, sums + r * blocks * BF16DOT_LANES,
-                          sums + (rows + r) * blocks * BF16DOT_LANES);
+        lane_sums_bf16dot(xr + r * in, in, sums + r * blocks * BF16DOT_LANES);
     }
-    job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, sums, sums + rows * blocks * BF16DOT_LANES, xr, NULL,
-               rows, y, y_stride, y_bf16};
+    job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, NULL, sums, xr, NULL, rows, y, y_stride, y_bf16};
     const int err = run(&j, threads);
     free(xb);
     free(sums);
