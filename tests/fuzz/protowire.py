@@ -463,12 +463,15 @@ class Outcome:
     blame: tuple[str, str, str] | None = None  # (role, worker_id, epoch) from handoff-failed-* trailers
 
 
-def call_stream(method, request, timeout: float) -> Outcome:
+def call_stream(method, request, timeout: float, on_message=None) -> Outcome:
+    """The whole stream of one call; on_message(msg), if given, sees each message as it arrives."""
     t0 = time.monotonic()
     responses = []
     try:
         for msg in method(request, timeout=timeout):
             responses.append(msg)
+            if on_message is not None:
+                on_message(msg)
         return Outcome("OK", "", responses, time.monotonic() - t0)
     except grpc.RpcError as exc:
         return Outcome(exc.code().name, exc.details() or "", responses, time.monotonic() - t0,

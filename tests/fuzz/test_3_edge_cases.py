@@ -234,17 +234,20 @@ def test_concurrent_duplicate_ids(cluster, channels, baseline):
     fp = d.fingerprint()
     dec, pre = methods(channels)
 
-    def start(method, raw) -> tuple[threading.Thread, list[Outcome]]:
+    def start(method, raw, streaming: threading.Event | None = None) -> tuple[threading.Thread, list[Outcome]]:
         out: list[Outcome] = []
-        t = threading.Thread(target=lambda: out.append(call_stream(method, raw, CALL_TIMEOUT_S)))
+        on_message = None if streaming is None else (lambda _msg: streaming.set())
+        t = threading.Thread(target=lambda: out.append(call_stream(method, raw, CALL_TIMEOUT_S, on_message)))
         t.start()
         return t, out
 
     def tokens(out: Outcome) -> list[int]:
         return [t for e in out.responses for t in e.token_ids]
 
-    # Decode: the second arrives while the first is decoding (about a second for 30 tokens).
-    rid, ids, max_tokens = unique_id("dup"), [5, 6, 7, 8], 30
+    # Decode: the second arrives once the first has streamed its first tokens, with a couple of hundred
+    # steps still ahead of it (a clock-based wait was outrun once decode got faster: the first had
+    # finished, and the second waited for KV that was never pushed again).
+    rid, ids, max_tokens = unique_id("dup"), [5, 6, 7, 8], 256
 
     def decode_raw(attempt: int) -> bytes:
         return internal_pb2.DecodeRequest(request_id=rid, epoch=d.epoch, prompt_ids=ids, output_ids=[9],
@@ -254,10 +257,11 @@ def test_concurrent_duplicate_ids(cluster, channels, baseline):
     reserve(cluster, rid, len(ids) + max_tokens)
     try:
         kv = kv_tensor(fp, len(ids), "normal", 0)
-        t1, out1 = start(dec, decode_raw(1))
+        streaming = threading.Event()
+        t1, out1 = start(dec, decode_raw(1), streaming)
         time.sleep(0.1)
         assert push_kv(channels, cluster, rid, kv, attempt=1).code == "OK"
-        time.sleep(0.2)
+        assert streaming.wait(CALL_TIMEOUT_S), "the first Decode streamed nothing"
         t2, out2 = start(dec, decode_raw(1))
         t1.join()
         t2.join()
