@@ -53,6 +53,11 @@ class _AttemptFailed(Exception):
         self.epoch = epoch
 
 
+class _StreamClosed(Exception):
+    """The client's stream took no more messages: its call is over, or the server stopped (past its grace)
+    between the handler's cancellation and its next write. Not a failure: the request ends cancelled."""
+
+
 class Router:
     """What all Generate calls share: validation, worker choice, channels, Redis, the lease keeper.
     Built and used on the router's event loop."""
@@ -185,7 +190,7 @@ class GenerateCall:
     async def run(self, send: Send) -> None:
         """Serve the request, handing each message to `send` (gRPC's context.write, the HTTP front's queue)."""
         cfg = self.r.config
-        self._send = send
+        self._send = self._writer(send)
         self._loop = asyncio.get_running_loop()
         deadline = min(self.client_deadline if self.client_deadline is not None else math.inf,
                        time.monotonic() + cfg.max_request_s)
@@ -216,6 +221,9 @@ class GenerateCall:
         except asyncio.CancelledError:  # the client went away (or the server is stopping)
             reason = FinishReason.CANCELLED
             raise
+        except _StreamClosed as exc:  # nothing more can reach the client: end quietly, as cancelled
+            reason = FinishReason.CANCELLED
+            log.info("%s: cancelled after %d tokens, its stream is closed (%s)", self.rid, len(self.generated), exc)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise
@@ -223,6 +231,17 @@ class GenerateCall:
             if reason == FinishReason.ERROR and self._client_gone():
                 reason, error = FinishReason.CANCELLED, None
             await to_the_end(self._end(reason, error))
+
+    @staticmethod
+    def _writer(send: Send) -> Send:
+        async def write(msg: handoff_pb2.GenerateResponse) -> None:
+            try:
+                await send(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # grpc.aio's write on a finished call or a stopped server
+                raise _StreamClosed(f"{type(exc).__name__}: {exc}") from exc
+        return write
 
     async def _end(self, reason: FinishReason, error: str | None) -> None:
         try:
