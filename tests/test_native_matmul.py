@@ -68,18 +68,44 @@ def test_q4_is_the_files_weights_times_x_within_the_quantization_error(dtype):
         assert np.median(err / (np.abs(x.double().numpy()) @ np.abs(dense).T)) < 1e-5
 
 
-def test_q8_is_codes_times_scales_times_x():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q8_is_codes_times_scales_times_x(dtype):
+    """The LM head quantizes each row whole, to 1/32767 of its largest |x|: every output within half that
+    step times the row's sum of |w|, and the median far inside it. 5 rows, one with an outlier (it coarsens
+    its whole row), 1001 outputs (the last quad padded), 2,080 inputs (two chunks of int32 sums, the second
+    partial)."""
     k = native_kernels()
     gen = torch.Generator().manual_seed(2)
-    codes = torch.randint(-127, 128, (1001, 576), dtype=torch.int8, generator=gen)
+    codes = torch.randint(-127, 128, (1001, 2080), dtype=torch.int8, generator=gen)
     scales = torch.rand(1001, generator=gen) * 0.01 + 1e-4
     packed, packed_scales = native.pack_q8(codes, scales)
-    x = torch.randn(5, 576, generator=gen)
+    x = torch.randn(5, 2080, generator=gen).to(dtype)
+    x[3, 100] = 300.0
     y = k.q8_matmul(x, packed, packed_scales, 1001)
     dense = (codes.double() * scales.double()[:, None]).numpy()
-    exact = x.double().numpy() @ dense.T
+    xd = x.double().numpy()
+    exact = xd @ dense.T
     err = np.abs(y.double().numpy() - exact)
-    assert y.dtype == torch.float32 and (err <= _quant_error_bound(x, dense)).all(), err.max()
+    step = np.abs(xd).max(1, keepdims=True) / XQ_MAX  # [rows, 1]
+    bound = 0.5 * step * np.abs(dense).sum(1)[None, :] + 1e-6 * (np.abs(xd) @ np.abs(dense).T) + 1e-9
+    assert y.dtype == torch.float32 and (err <= bound).all(), f"worst error {err.max():.3g}"
+    assert np.median(err / bound) < 0.1
+    # The quantization error, not a defect, sets the error: the outlier's row errs more than the others.
+    assert np.median(err[3]) > 3 * np.median(np.delete(err, 3, axis=0))
+
+
+def test_q8_a_nan_or_inf_makes_its_row_nan_and_no_other():
+    k = native_kernels()
+    packed, scales = native.pack_q8(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01)
+    x = torch.randn(3, 576)
+    clean = k.q8_matmul(x, packed, scales, 40)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x_bad = x.clone()
+        x_bad[1, 17] = bad
+        y = k.q8_matmul(x_bad, packed, scales, 40)
+        assert torch.isnan(y[1]).all(), bad
+        assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
+    assert not k.q8_matmul(torch.zeros(1, 576), packed, scales, 40).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -172,11 +198,14 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
     other = native.DecodeKernels(other_path)
     codes, d, m, _ = _q4_weight(36, 576, seed=7)
     packed = native.pack_q4(codes, d, m)
-    head, head_scales = native.pack_q8(torch.randint(-127, 128, (44, 576), dtype=torch.int8), torch.rand(44) * 0.01)
+    head, head_scales = native.pack_q8(torch.randint(-127, 128, (44, 2080), dtype=torch.int8), torch.rand(44) * 0.01)
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(5, 576) * 2).to(dtype)
         assert torch.equal(other.q4_matmul(x, packed, 36), k.q4_matmul(x, packed, 36)), dtype
-        assert torch.equal(other.q8_matmul(x, head, head_scales, 44), k.q8_matmul(x, head, head_scales, 44)), dtype
+        for rows in (1, 13):  # the LM head's tiles (8, 4, 1 rows; 3, 1), over two chunks of int32 sums
+            x = (torch.randn(rows, 2080) * 2).to(dtype)
+            assert torch.equal(other.q8_matmul(x, head, head_scales, 44), k.q8_matmul(x, head, head_scales, 44)), \
+                (rows, dtype)
         for rows in (2, 7):  # the fp32 kernel's register and buffer paths
             x = (torch.randn(rows, 576) * 2).to(dtype)
             assert torch.equal(other.q4_matmul(x, packed, 36, "f32"), k.q4_matmul(x, packed, 36, "f32")), (rows, dtype)

@@ -70,7 +70,7 @@ typedef struct {
 typedef struct {
     weight_t w;
     const int16_t *xq; /* [rows, in]: x / sx, rounded */
-    const float *sx;   /* [rows, in / 32] */
+    const float *sx;   /* [rows, in / 32]; q8: [rows] */
     const float *sumx; /* [rows, in / 32]: the exact fp32 sum of each block of x (bf16 dot: 4 lanes a block) */
     const uint16_t *xb; /* q4 by the bf16 dot: [rows, in], x in bf16 */
     const float *xf;    /* q4 in fp32: [rows, in] */
@@ -202,17 +202,14 @@ static void offsets(const job_t *j, int64_t row, int64_t quad, float out[QUAD]) 
 #endif
 }
 
-/* Row `row`'s 4 outputs of a quad, from their 8 lanes each: the lanes' fixed tree, then q4's offset
- * term or q8's output scale. */
+/* Row `row`'s 4 outputs of a quad, from their 8 lanes each: the lanes' fixed tree, then the offset term. */
 static void store(const job_t *j, int64_t row, int64_t quad, const float lanes[QUAD][8]) {
-    float offset[QUAD] = {0};
-    if (j->w.format == FORMAT_Q4) offsets(j, row, quad, offset);
+    float offset[QUAD];
+    offsets(j, row, quad, offset);
     for (int t = 0; t < QUAD; t++) {
         const int64_t o = quad * QUAD + t;
         if (o >= j->w.out) return; /* the last quad's padding */
-        float v = sum8(lanes[t]);
-        if (j->w.format == FORMAT_Q4) v += offset[t];
-        else v *= j->w.scale[o];
+        const float v = sum8(lanes[t]) + offset[t];
         put_y(j, row, o, v);
     }
 }
@@ -222,39 +219,22 @@ static void store(const job_t *j, int64_t row, int64_t quad, const float lanes[Q
 /* Output t's codes in the block record rec as 16-bit integers, inputs 0-15 and 16-31. A q4 byte widened
  * to 16 bits holds input j in its low nibble and j + 16 in its high one: one mask and one shift split it. */
 #ifdef MATMUL_AVX2
-static inline __attribute__((always_inline)) void codes16(const int format, const uint8_t *rec, int t,
-                                                            __m256i *lo, __m256i *hi) {
-    if (format == FORMAT_Q4) {
-        const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * t)));
-        *lo = _mm256_and_si256(q, _mm256_set1_epi16(0x0f));
-        *hi = _mm256_srli_epi16(q, 4);
-    } else {
-        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t)));
-        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t + 16)));
-    }
+static inline __attribute__((always_inline)) void codes16(const uint8_t *rec, int t, __m256i *lo, __m256i *hi) {
+    const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rec + 16 * t)));
+    *lo = _mm256_and_si256(q, _mm256_set1_epi16(0x0f));
+    *hi = _mm256_srli_epi16(q, 4);
 }
 #else
-static inline void codes16(const int format, const uint8_t *rec, int t, int16_t c[GROUP]) {
+static inline void codes16(const uint8_t *rec, int t, int16_t c[GROUP]) {
     for (int i = 0; i < 16; i++) {
-        if (format == FORMAT_Q4) {
-            c[i] = rec[16 * t + i] & 0x0f;
-            c[i + 16] = rec[16 * t + i] >> 4;
-        } else {
-            c[i] = (int8_t)rec[32 * t + i];
-            c[i + 16] = (int8_t)rec[32 * t + 16 + i];
-        }
+        c[i] = rec[16 * t + i] & 0x0f;
+        c[i + 16] = rec[16 * t + i] >> 4;
     }
 }
 #endif
 
-/* The block's scales for the quad's 4 outputs and one row: d * sx (q4), or sx (q8, whose per-output
- * scale comes at the end). */
-static inline __attribute__((always_inline)) void block_scales(const int format, const uint8_t *rec, float sx,
-                                                                float out[QUAD]) {
-    if (format != FORMAT_Q4) {
-        for (int t = 0; t < QUAD; t++) out[t] = sx;
-        return;
-    }
+/* The block's scales for the quad's 4 outputs and one row: d * sx. */
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *rec, float sx, float out[QUAD]) {
 #ifdef MATMUL_AVX2
     _mm_storeu_ps(out, _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 64))), _mm_set1_ps(sx)));
 #else
@@ -268,20 +248,19 @@ static inline __attribute__((always_inline)) void block_scales(const int format,
 
 /* Rows r0 .. r0 + RT - 1 against the 4 outputs of one quad: one 8-lane fp32 accumulator each. */
 #ifdef MATMUL_AVX2
-#define DEFINE_TILE(NAME, FMT, RT)                                                                     \
-static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
+#define DEFINE_TILE(RT)                                                                     \
+static void tile_q4_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
     const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
     __m256 acc[RT][QUAD];                                                                              \
     for (int r = 0; r < RT; r++)                                                                       \
         for (int t = 0; t < QUAD; t++) acc[r][t] = _mm256_setzero_ps();                                \
     const uint8_t *rec = record(&j->w, quad, 0);                                                       \
-    const int64_t size = FMT == FORMAT_Q4 ? Q4_RECORD : Q8_RECORD;                                     \
-    for (int64_t b = 0; b < blocks; b++, rec += size) {                                                \
+        for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                                \
         float scale[RT][QUAD];                                                                         \
-        for (int r = 0; r < RT; r++) block_scales(FMT, rec, j->sx[(r0 + r) * blocks + b], scale[r]);   \
+        for (int r = 0; r < RT; r++) block_scales(rec, j->sx[(r0 + r) * blocks + b], scale[r]);   \
         for (int t = 0; t < QUAD; t++) {                                                               \
             __m256i lo, hi;                                                                            \
-            codes16(FMT, rec, t, &lo, &hi);                                                            \
+            codes16(rec, t, &lo, &hi);                                                            \
             for (int r = 0; r < RT; r++) {                                                             \
                 const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                                 \
                 const __m256i sum = _mm256_add_epi32(                                                  \
@@ -298,8 +277,8 @@ static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {      
     }                                                                                                  \
 }
 #else
-#define DEFINE_TILE(NAME, FMT, RT)                                                                     \
-static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
+#define DEFINE_TILE(RT)                                                                     \
+static void tile_q4_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
     const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
     for (int r = 0; r < RT; r++) {                                                                     \
         float lanes[QUAD][8] = {{0}};                                                                  \
@@ -307,10 +286,10 @@ static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {      
             for (int64_t b = 0; b < blocks; b++) {                                                     \
                 const uint8_t *rec = record(&j->w, quad, b);                                           \
                 int16_t c[GROUP];                                                                      \
-                codes16(FMT, rec, t, c);                                                               \
+                codes16(rec, t, c);                                                               \
                 const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                                 \
                 float scales[QUAD];                                                                    \
-                block_scales(FMT, rec, j->sx[(r0 + r) * blocks + b], scales);                          \
+                block_scales(rec, j->sx[(r0 + r) * blocks + b], scales);                          \
                 const float scale = scales[t];                                                         \
                 for (int l = 0; l < 8; l++) {                                                          \
                     const int32_t sum = (int32_t)c[2 * l] * xq[2 * l] + (int32_t)c[2 * l + 1] * xq[2 * l + 1] \
@@ -328,25 +307,15 @@ static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {      
  * output 2p + 1, each lane l the AVX2 path's lane l (inputs 2l, 2l + 1 by one product, 16 + 2l, 17 + 2l by
  * the other, summed exactly in int32), scaled and accumulated by the same single-rounding steps in the
  * same block order: the same bits, with a fused product-sum (VNNI) where the CPU has one. */
-static inline __attribute__((always_inline)) void pair_codes(const int format, const uint8_t *rec, int p,
-                                                               __m512i *lo, __m512i *hi) {
-    if (format == FORMAT_Q4) { /* outputs 2p, 2p + 1: 32 code bytes, each input j and j + 16 */
-        const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 * p)));
-        *lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f));
-        *hi = _mm512_srli_epi16(q, 4);
-    } else { /* two outputs' 32 int8 codes each: inputs 0-15 of both, then 16-31 of both */
-        const uint8_t *a = rec + 64 * p, *b = a + 32;
-        *lo = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)), _mm_loadu_si128((const __m128i *)b), 1));
-        *hi = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 16))),
-            _mm_loadu_si128((const __m128i *)(b + 16)), 1));
-    }
+/* Outputs 2p, 2p + 1: 32 code bytes, each input j and j + 16. */
+static inline __attribute__((always_inline)) void pair_codes(const uint8_t *rec, int p, __m512i *lo, __m512i *hi) {
+    const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 32 * p)));
+    *lo = _mm512_and_si512(q, _mm512_set1_epi16(0x0f));
+    *hi = _mm512_srli_epi16(q, 4);
 }
 
-/* The pair's per-output factor of the block scale: d (q4, fp16 in the record), 1 (q8). */
-static inline __attribute__((always_inline)) __m512 pair_d(const int format, const uint8_t *rec, int p) {
-    if (format != FORMAT_Q4) return _mm512_set1_ps(1.0f);
+/* The pair's per-output factor of the block scale: d, fp16 in the record. */
+static inline __attribute__((always_inline)) __m512 pair_d(const uint8_t *rec, int p) {
     const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(rec + 64))); /* the quad's 4 d */
     const __m512 dd = _mm512_castps128_ps512(d);
     return _mm512_permutexvar_ps(_mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p,
@@ -354,19 +323,18 @@ static inline __attribute__((always_inline)) __m512 pair_d(const int format, con
                                                    2 * p + 1, 2 * p + 1), dd);
 }
 
-#define DEFINE_TILE512(NAME, FMT, RT)                                                                  \
-static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
+#define DEFINE_TILE512(RT)                                                                  \
+static void tile_q4_##RT(const job_t *j, int64_t r0, int64_t quad) {                             \
     const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
     __m512 acc[RT][2];                                                                                 \
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                          \
     const uint8_t *rec = record(&j->w, quad, 0);                                                       \
-    const int64_t size = FMT == FORMAT_Q4 ? Q4_RECORD : Q8_RECORD;                                     \
-    for (int64_t b = 0; b < blocks; b++, rec += size) {                                                \
+        for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                                \
         __m512i lo[2], hi[2];                                                                          \
         __m512 d[2];                                                                                   \
         for (int p = 0; p < 2; p++) {                                                                  \
-            pair_codes(FMT, rec, p, &lo[p], &hi[p]);                                                   \
-            d[p] = pair_d(FMT, rec, p);                                                                \
+            pair_codes(rec, p, &lo[p], &hi[p]);                                                   \
+            d[p] = pair_d(rec, p);                                                                \
         }                                                                                              \
         for (int r = 0; r < RT; r++) {                                                                 \
             const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                                     \
@@ -375,7 +343,7 @@ static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {      
             const __m512 sx = _mm512_set1_ps(j->sx[(r0 + r) * blocks + b]);                            \
             for (int p = 0; p < 2; p++) {                                                              \
                 const __m512i sum = DPWSSD(_mm512_madd_epi16(lo[p], xlo), hi[p], xhi);                 \
-                const __m512 scale = FMT == FORMAT_Q4 ? _mm512_mul_ps(d[p], sx) : sx;                  \
+                const __m512 scale = _mm512_mul_ps(d[p], sx);                                          \
                 acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r][p]);                \
             }                                                                                          \
         }                                                                                              \
@@ -396,37 +364,203 @@ static void tile_##NAME##_##RT(const job_t *j, int64_t r0, int64_t quad) {      
 #endif
 /* 32 vector registers: up to 16 accumulators (8 rows x 2 output pairs), the quad's codes and d, one
  * row's x, temporaries. */
-#define DEFINE_TILES(NAME, FMT)                                                                        \
-DEFINE_TILE512(NAME, FMT, 8)                                                                           \
-DEFINE_TILE512(NAME, FMT, 4)                                                                           \
-DEFINE_TILE512(NAME, FMT, 2)                                                                           \
-DEFINE_TILE512(NAME, FMT, 1)                                                                           \
-static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {                             \
-    for (int64_t q = q_begin; q < q_end; q++) {                                                        \
-        int64_t r = 0;                                                                                 \
-        for (; r + 8 <= j->rows; r += 8) tile_##NAME##_8(j, r, q); /* a quad's codes unpacked once for 8 rows */ \
-        if (j->rows - r >= 4) { tile_##NAME##_4(j, r, q); r += 4; }                                    \
-        if (j->rows - r >= 2) { tile_##NAME##_2(j, r, q); r += 2; }                                    \
-        if (j->rows - r == 1) tile_##NAME##_1(j, r, q);                                                \
-    }                                                                                                  \
+DEFINE_TILE512(8)
+DEFINE_TILE512(4)
+DEFINE_TILE512(2)
+DEFINE_TILE512(1)
+static void quads_q4(const job_t *j, int64_t q_begin, int64_t q_end) {
+    for (int64_t q = q_begin; q < q_end; q++) {
+        int64_t r = 0;
+        for (; r + 8 <= j->rows; r += 8) tile_q4_8(j, r, q); /* a quad's codes unpacked once for 8 rows */
+        if (j->rows - r >= 4) { tile_q4_4(j, r, q); r += 4; }
+        if (j->rows - r >= 2) { tile_q4_2(j, r, q); r += 2; }
+        if (j->rows - r == 1) tile_q4_1(j, r, q);
+    }
 }
 #else
 /* 16 vector registers: up to 12 accumulators (3 rows x 4 outputs), one output's codes, temporaries. */
-#define DEFINE_TILES(NAME, FMT)                                                                        \
-DEFINE_TILE(NAME, FMT, 3)                                                                              \
-DEFINE_TILE(NAME, FMT, 2)                                                                              \
-DEFINE_TILE(NAME, FMT, 1)                                                                              \
-static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {                             \
-    for (int64_t q = q_begin; q < q_end; q++) {                                                        \
-        int64_t r = 0;                                                                                 \
-        for (; r + 3 <= j->rows; r += 3) tile_##NAME##_3(j, r, q); /* a quad's codes unpacked once for 3 rows */ \
-        if (j->rows - r == 2) tile_##NAME##_2(j, r, q);                                                \
-        else if (j->rows - r == 1) tile_##NAME##_1(j, r, q);                                           \
-    }                                                                                                  \
+DEFINE_TILE(3)
+DEFINE_TILE(2)
+DEFINE_TILE(1)
+static void quads_q4(const job_t *j, int64_t q_begin, int64_t q_end) {
+    for (int64_t q = q_begin; q < q_end; q++) {
+        int64_t r = 0;
+        for (; r + 3 <= j->rows; r += 3) tile_q4_3(j, r, q); /* a quad's codes unpacked once for 3 rows */
+        if (j->rows - r == 2) tile_q4_2(j, r, q);
+        else if (j->rows - r == 1) tile_q4_1(j, r, q);
+    }
 }
 #endif
-DEFINE_TILES(q4, FORMAT_Q4)
-DEFINE_TILES(q8, FORMAT_Q8)
+
+/* ------------------------------------------------------------------------------------- the LM head (q8) */
+
+/* q8 quantizes an activation row whole, where q4 takes it by blocks: xq = rint(x / s), s = max |x| / 32767, 15
+ * bits of the row's largest value against the weights' 8 bits of theirs. One scale a row, so each (row,
+ * output) is one exact integer sum over all its inputs, sum xq w, and the output (float)sum * s * scale[o]:
+ * no scaling per block (at 32 rows the head took 7.4-8.3 ms against 10.3-12.0 with it), and the same
+ * integer however the sum is split, so that any tiling, any batch and every build (AVX-512, AVX2, plain C)
+ * give a row the same bits (invariant 4). The LM head's logits are approximate by design: the fp32
+ * refinement recomputes the best of each row. */
+
+/* Blocks summed in int32 lanes before int64: a lane holds 4 inputs a block, 256 a chunk, at most
+ * 256 x 32767 x 128 = 1.07e9, and two lanes' sum (the AVX-512 reduction adds two first) < 2^31. */
+#define Q8_CHUNK 64
+
+/* One row [in] (fp32 or bf16) -> xq [in] and s. A NaN or an infinity makes s NaN, so that every output of the
+ * row is NaN, as a float product's would be. */
+static void quantize_row_q8(const void *x, int x_bf16, int64_t in, int16_t *xq, float *s_out) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t k = 0; k < in; k++) {
+        const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        finite &= isfinite(v) != 0;
+        amax = fabsf(v) > amax ? fabsf(v) : amax;
+    }
+    const float s = amax / XQ_MAX;
+    *s_out = finite ? s : NAN;
+    if (!finite || !(s > 0.0f)) { /* not finite, or all zeros (or too small for s) */
+        memset(xq, 0, (size_t)in * sizeof *xq);
+        return;
+    }
+    for (int64_t k = 0; k < in; k++) {
+        const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        xq[k] = (int16_t)fminf(fmaxf(rintf(v / s), -XQ_MAX), XQ_MAX); /* rintf: to nearest even */
+    }
+}
+
+/* Row `row`'s 4 outputs of a quad from their exact sums. */
+static void store_q8(const job_t *j, int64_t row, int64_t quad, const int64_t sums[QUAD]) {
+    for (int t = 0; t < QUAD; t++) {
+        const int64_t o = quad * QUAD + t;
+        if (o >= j->w.out) return; /* the last quad's padding */
+        put_y(j, row, o, (float)sums[t] * j->sx[row] * j->w.scale[o]);
+    }
+}
+
+#ifdef MATMUL_AVX512
+/* Two outputs of the quad a register: lanes 0-7 output 2p, lanes 8-15 output 2p + 1, 4 inputs a block each.
+ * Its 16 lanes' sums go to the quad's 4 outputs' int64 sums: two 128-bit lanes added in int32 (s[0] holds
+ * output 0, 0, 1, 1; s[1] 2, 2, 3, 3), then 4 each in int64. */
+static inline __attribute__((always_inline)) void add_sums_q8(const __m512i s[2], int64_t sums[QUAD]) {
+    const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    int32_t lanes[16];
+    _mm512_storeu_si512(lanes, a);
+    for (int t = 0; t < QUAD; t++)
+        sums[t] += (int64_t)lanes[4 * t] + lanes[4 * t + 1] + lanes[4 * t + 2] + lanes[4 * t + 3];
+}
+
+/* A batch: the quad's codes widened to 16 bits once a block for up to 8 rows, times xq by 16-bit products
+ * (VNNI's fused vpdpwssd where the CPU has it): per row and block 2 loads and 4 instructions. Lane l of
+ * output t: inputs 2l, 2l + 1 (codes lo) and 16 + 2l, 17 + 2l (hi). */
+static inline __attribute__((always_inline)) void pair_codes_q8(const uint8_t *rec, int p, __m512i *lo, __m512i *hi) {
+    const uint8_t *a = rec + 64 * p, *b = a + 32; /* outputs 2p, 2p + 1: 32 int8 codes each */
+    *lo = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)), _mm_loadu_si128((const __m128i *)b), 1));
+    *hi = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 16))), _mm_loadu_si128((const __m128i *)(b + 16)), 1));
+}
+
+#define DEFINE_TILE_Q8(RT)                                                                             \
+static void tile_q8_##RT(const job_t *j, int64_t r0, int64_t quad) {                                   \
+    const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
+    int64_t sums[RT][QUAD] = {{0}};                                                                    \
+    for (int64_t b0 = 0; b0 < blocks; b0 += Q8_CHUNK) {                                                \
+        const int64_t b1 = b0 + Q8_CHUNK < blocks ? b0 + Q8_CHUNK : blocks;                            \
+        __m512i acc[RT][2];                                                                            \
+        for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();                   \
+        const uint8_t *rec = record(&j->w, quad, b0);                                                  \
+        for (int64_t b = b0; b < b1; b++, rec += Q8_RECORD) {                                          \
+            __m512i lo[2], hi[2];                                                                      \
+            for (int p = 0; p < 2; p++) pair_codes_q8(rec, p, &lo[p], &hi[p]);                        \
+            for (int r = 0; r < RT; r++) {                                                             \
+                const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                                 \
+                const __m512i xlo = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xq));  \
+                const __m512i xhi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + 16))); \
+                for (int p = 0; p < 2; p++) acc[r][p] = DPWSSD(DPWSSD(acc[r][p], lo[p], xlo), hi[p], xhi); \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < RT; r++) add_sums_q8(acc[r], sums[r]);                                     \
+    }                                                                                                  \
+    for (int r = 0; r < RT; r++) store_q8(j, r0 + r, quad, sums[r]);                                   \
+}
+DEFINE_TILE_Q8(8)
+DEFINE_TILE_Q8(4)
+DEFINE_TILE_Q8(2)
+DEFINE_TILE_Q8(1)
+
+
+static void quads_q8(const job_t *j, int64_t q_begin, int64_t q_end) {
+    for (int64_t q = q_begin; q < q_end; q++) {
+        int64_t r = 0;
+        for (; r + 8 <= j->rows; r += 8) tile_q8_8(j, r, q); /* a quad's codes widened once for 8 rows */
+        if (j->rows - r >= 4) { tile_q8_4(j, r, q); r += 4; }
+        if (j->rows - r >= 2) { tile_q8_2(j, r, q); r += 2; }
+        if (j->rows - r == 1) tile_q8_1(j, r, q);
+    }
+}
+#elif defined(MATMUL_AVX2)
+/* An output's 32 codes widened to 16 bits, times xq by vpmaddwd: 8 int32 lanes an output. */
+#define DEFINE_TILE_Q8(RT)                                                                             \
+static void tile_q8_##RT(const job_t *j, int64_t r0, int64_t quad) {                                   \
+    const int64_t in = j->w.in, blocks = in / GROUP;                                                   \
+    int64_t sums[RT][QUAD] = {{0}};                                                                    \
+    for (int64_t b0 = 0; b0 < blocks; b0 += Q8_CHUNK) {                                                \
+        const int64_t b1 = b0 + Q8_CHUNK < blocks ? b0 + Q8_CHUNK : blocks;                            \
+        __m256i acc[RT][QUAD];                                                                         \
+        for (int r = 0; r < RT; r++)                                                                   \
+            for (int t = 0; t < QUAD; t++) acc[r][t] = _mm256_setzero_si256();                         \
+        const uint8_t *rec = record(&j->w, quad, b0);                                                  \
+        for (int64_t b = b0; b < b1; b++, rec += Q8_RECORD)                                            \
+            for (int t = 0; t < QUAD; t++) {                                                           \
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t))); \
+                const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t + 16))); \
+                for (int r = 0; r < RT; r++) {                                                         \
+                    const int16_t *xq = j->xq + (r0 + r) * in + b * GROUP;                             \
+                    acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_add_epi32(                          \
+                        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xq)),                \
+                        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16)))));       \
+                }                                                                                      \
+            }                                                                                          \
+        for (int r = 0; r < RT; r++)                                                                   \
+            for (int t = 0; t < QUAD; t++) {                                                           \
+                int32_t lanes[8];                                                                      \
+                _mm256_storeu_si256((__m256i *)lanes, acc[r][t]);                                      \
+                for (int i = 0; i < 8; i++) sums[r][t] += lanes[i];                                    \
+            }                                                                                          \
+    }                                                                                                  \
+    for (int r = 0; r < RT; r++) store_q8(j, r0 + r, quad, sums[r]);                                   \
+}
+DEFINE_TILE_Q8(3)
+DEFINE_TILE_Q8(2)
+DEFINE_TILE_Q8(1)
+
+static void quads_q8(const job_t *j, int64_t q_begin, int64_t q_end) {
+    for (int64_t q = q_begin; q < q_end; q++) {
+        int64_t r = 0;
+        for (; r + 3 <= j->rows; r += 3) tile_q8_3(j, r, q); /* a quad's codes widened once for 3 rows */
+        if (j->rows - r == 2) tile_q8_2(j, r, q);
+        else if (j->rows - r == 1) tile_q8_1(j, r, q);
+    }
+}
+#else
+static void tile_q8_1(const job_t *j, int64_t row, int64_t quad) {
+    const int64_t in = j->w.in, blocks = in / GROUP;
+    int64_t sums[QUAD] = {0};
+    const int16_t *xq = j->xq + row * in;
+    const uint8_t *rec = record(&j->w, quad, 0);
+    for (int64_t b = 0; b < blocks; b++, rec += Q8_RECORD)
+        for (int t = 0; t < QUAD; t++)
+            for (int i = 0; i < GROUP; i++) sums[t] += (int32_t)(int8_t)rec[32 * t + i] * xq[b * GROUP + i];
+    store_q8(j, row, quad, sums);
+}
+
+static void quads_q8(const job_t *j, int64_t q_begin, int64_t q_end) {
+    for (int64_t q = q_begin; q < q_end; q++)
+        for (int64_t r = 0; r < j->rows; r++) tile_q8_1(j, r, q);
+}
+#endif
+
 
 /* GCC compiles it into every AVX2 build, the portable one an image ships included, for the AVX-512 BF16
  * subset only; q4_matmul_bf16dot runs it where the CPU at hand has the instructions (cpu_has_bf16dot).
@@ -752,11 +886,28 @@ int q4_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const u
     return matmul(w, x, x_bf16, x_stride, rows, y, y_bf16, y_stride, threads);
 }
 
-/* y [rows, out] = x [rows, in] @ (codes * scale[:, None])^T, codes int8 packed as above. */
+/* y [rows, out] = x [rows, in] @ (codes * scale[:, None])^T, codes int8 packed as above, x quantized by rows
+ * (the LM head above). */
 int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const int8_t *packed, const float *scale,
               int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-    weight_t w = {FORMAT_Q8, (const uint8_t *)packed, scale, out, in};
-    return matmul(w, x, x_bf16, x_stride, rows, y, y_bf16, y_stride, threads);
+    if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
+    if (!rows) return 0;
+    int16_t *xq = malloc((size_t)(rows * in) * sizeof *xq);
+    float *sx = malloc((size_t)rows * sizeof *sx);
+    if (!xq || !sx) {
+        free(xq);
+        free(sx);
+        return -ENOMEM;
+    }
+    const size_t elem = x_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row_q8((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, in, xq + r * in, sx + r);
+    job_t j = {{FORMAT_Q8, (const uint8_t *)packed, scale, out, in}, xq, sx, NULL, NULL, NULL, rows, y, y_stride,
+               y_bf16};
+    const int err = run(&j, threads);
+    free(xq);
+    free(sx);
+    return err;
 }
 
 /* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by the bf16 dot instruction (MATMUL_BF16DOT above): x
