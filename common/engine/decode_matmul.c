@@ -17,7 +17,9 @@
  * only then is a block's sum scaled (d * sx) and accumulated in fp32. Q4_1's offset m enters through the
  * block's exact fp32 sum of x: sum_b m_b * sum(x_b). Why not torch's int4 kernel: it takes bf16
  * activations, rounds the file's fp16 scales to bf16, and costs ~12x one row's time at 32 rows; its int8
- * counterpart (torch._int_mm) has no fast path on AVX2-only hosts.
+ * counterpart (torch._int_mm) has no fast path on AVX2-only hosts. q8, whose codes share one scale an
+ * output, quantizes a row whole instead, so that each output is a single exact integer sum (the LM head
+ * section below).
  *
  * Two float kernels for q4 follow the integer ones. The bf16 dot kernel (AVX512_BF16) multiplies the codes
  * themselves, exact as bf16 numbers, with bf16 x: cheaper than the integer kernel at one row and 1.6x
