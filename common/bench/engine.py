@@ -267,7 +267,8 @@ class RunnerDecode:
         from common.engine.sampling import Sampler, SamplingParams
 
         self.runner = ours.runner
-        self.sampler = Sampler()
+        kernels = ours.model.kernels
+        self.sampler = Sampler(argmax=kernels.argmax if kernels is not None else None)  # as the engine's
         self.greedy = SamplingParams(temperature=0.0)
         self.seq_ids = [f"runner-{i}" for i in range(bsz)]
         for s in self.seq_ids:

@@ -119,7 +119,8 @@ class Engine:
         self.config = config
         self.pool = runner.cache.pool
         self.max_context = runner.model.config.max_position
-        self.sampler = Sampler()
+        kernels = runner.model.kernels
+        self.sampler = Sampler(argmax=kernels.argmax if kernels is not None else None)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

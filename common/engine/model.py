@@ -424,7 +424,11 @@ class Llama(torch.nn.Module):
         row's largest, 0.1 on average for SmolLM2); the REFINE_TOP best are then exact fp32, so greedy
         decoding is exact and sampling differs only in the tail.
         """
-        return self._refine(self.lm_head_int8(hidden).float(), hidden)
+        logits = self.lm_head_int8(hidden).float()
+        if self.kernels is not None and self.config.hidden_size % 8 == 0:  # decode_logits.c: the same, row by row
+            return self.kernels.refine_top(logits.contiguous(), hidden.float().contiguous(), self.lm_head_exact,
+                                           self.REFINE_TOP)
+        return self._refine(logits, hidden)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 hidden states [R, dim] → the exact fp32 log-softmax of the logits over the whole vocabulary [R, V].

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 MATMUL_SOURCE = Path(__file__).with_name("decode_matmul.c")
 LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")
+LOGITS_SOURCE = Path(__file__).with_name("decode_logits.c")
 # No -ffast-math: the kernel's sums must keep the order the source gives them (invariant 4).
 # -fopenmp: the matmuls run on an OpenMP team, linked against the libgomp torch loaded (decode_matmul.c).
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
@@ -80,6 +81,8 @@ Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_mat
 Q4_INDEX = {kernel: i for i, kernel in enumerate(Q4_KERNELS)}
 MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I] for name in Q4_KERNELS.values()},
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
+# decode_logits.c: logits, rows, vocab, hidden, head, dim, k, threads; x, rows, cols, out, threads
+LOGITS_ARGS = {"refine_top": [_P, _I, _I, _P, _P, _I, _I, _I], "argmax_rows": [_P, _I, _I, _P, _I]}
 QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleaved: one stream per tile
 GROUP = 32
 
@@ -118,7 +121,7 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _sources() -> list[Path]:
     """The library's C files (read at call time: tests point SOURCE elsewhere)."""
-    return [SOURCE, MATMUL_SOURCE, LAYERS_SOURCE]
+    return [SOURCE, MATMUL_SOURCE, LAYERS_SOURCE, LOGITS_SOURCE]
 
 
 def cache_dir() -> Path:
@@ -188,7 +191,7 @@ class DecodeKernels:
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._fns[name, dtype] = fn
         self._matmuls = {}
-        for name, argtypes in MATMUL_ARGS.items():
+        for name, argtypes in {**MATMUL_ARGS, **LOGITS_ARGS}.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._matmuls[name] = fn
@@ -271,6 +274,31 @@ class DecodeKernels:
             out_features, in_features, y.data_ptr(), out_dtype == torch.bfloat16, out_features,
             torch.get_num_threads()), name)
         return y
+
+    def refine_top(self, logits: torch.Tensor, hidden: torch.Tensor, head: torch.Tensor, k: int) -> torch.Tensor:
+        """logits [rows, vocab] fp32 contiguous, in place: each row's k best (NaN first, ties to the lower id)
+        become the exact fp32 product of hidden [rows, dim] with head [vocab, dim] (both fp32 contiguous,
+        dim a multiple of 8). Returns logits."""
+        rows, vocab = logits.shape
+        if not (logits.dtype == hidden.dtype == head.dtype == torch.float32 and logits.is_contiguous()
+                and hidden.is_contiguous() and head.is_contiguous() and hidden.shape == (rows, head.shape[1])
+                and head.shape[0] == vocab):
+            raise ValueError("refine_top: logits [rows, vocab], hidden [rows, dim] and head [vocab, dim], "
+                             "fp32 contiguous")
+        self._check(self._matmuls["refine_top"](logits.data_ptr(), rows, vocab, hidden.data_ptr(), head.data_ptr(),
+                                                head.shape[1], k, torch.get_num_threads()), "refine_top")
+        return logits
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, cols] fp32 → int64 [rows]: the first index of each row's largest value, a NaN counting as
+        the largest (torch's max(dim=-1).indices)."""
+        rows, cols = x.shape
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("argmax: x must be fp32 and contiguous")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._check(self._matmuls["argmax_rows"](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()),
+                    "argmax")
+        return out
 
     def attention_threads(self, rows: int, heads: int, longest: int) -> int:
         return torch.get_num_threads() if rows * heads > 1 and rows * heads * longest >= SPLIT_MIN_WORK else 1
