@@ -108,6 +108,18 @@ def native_kernels():
     return k
 
 
+def other_build(tmp_path: Path, march: str):
+    """The decode kernels built for another -march into tmp_path (x86-64: the plain C loops; x86-64-v3: the
+    image's portable AVX2 build), for tests that compare builds bit for bit."""
+    from common.engine import native
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    path = tmp_path / f"decode_kernels-{march}.so"
+    native._compile(native._compiler(None), [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS],
+                    path)
+    return native.DecodeKernels(path)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from common.engine.models import resolve_model_path

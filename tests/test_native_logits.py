@@ -6,14 +6,12 @@ the image's portable AVX2 build and the plain C one.
 """
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from common.engine import native
-from tests.conftest import native_kernels
+from tests.conftest import native_kernels, other_build
 
 VOCAB, DIM, K = 4099, 64, 64  # an odd vocabulary: the 8-wide scan's tail
 
@@ -107,13 +105,8 @@ def test_bad_arguments_are_refused_with_a_reason():
 
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"], ids=["plain-c", "portable-avx2"])
 def test_other_builds_compute_the_same_bits(tmp_path, march):
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler")
     k = native_kernels()
-    other_path = tmp_path / f"decode_kernels-{march}.so"
-    native._compile(native._compiler(None), [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS],
-                    other_path)
-    other = native.DecodeKernels(other_path)
+    other = other_build(tmp_path, march)
     logits, hidden, head = _case(7, 4)
     assert torch.equal(other.refine_top(logits.clone(), hidden, head, K), k.refine_top(logits.clone(), hidden, head, K))
     assert torch.equal(other.argmax(logits), k.argmax(logits))

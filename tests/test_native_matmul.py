@@ -7,14 +7,13 @@ and in the AVX2 build and the portable C one alike.
 """
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from common.engine import native
-from tests.conftest import native_kernels
+from tests.conftest import native_kernels, other_build
 
 GROUP = 32
 XQ_MAX = 32767.0
@@ -189,13 +188,8 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
     the same order as this host's native one: a worker's tokens do not depend on which build it runs. The
     portable build carries the bf16 dot kernel too and runs it where the CPU has AVX512_BF16, with the
     native build's bits."""
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler")
     k = native_kernels()
-    other_path = tmp_path / f"decode_kernels-{march}.so"
-    native._compile(native._compiler(None), [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS],
-                    other_path)
-    other = native.DecodeKernels(other_path)
+    other = other_build(tmp_path, march)
     codes, d, m, _ = _q4_weight(36, 576, seed=7)
     packed = native.pack_q4(codes, d, m)
     head, head_scales = native.pack_q8(torch.randint(-127, 128, (44, 2080), dtype=torch.int8), torch.rand(44) * 0.01)

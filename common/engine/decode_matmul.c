@@ -370,29 +370,34 @@ DEFINE_TILE512(8)
 DEFINE_TILE512(4)
 DEFINE_TILE512(2)
 DEFINE_TILE512(1)
-static void quads_q4(const job_t *j, int64_t q_begin, int64_t q_end) {
-    for (int64_t q = q_begin; q < q_end; q++) {
-        int64_t r = 0;
-        for (; r + 8 <= j->rows; r += 8) tile_q4_8(j, r, q); /* a quad's codes unpacked once for 8 rows */
-        if (j->rows - r >= 4) { tile_q4_4(j, r, q); r += 4; }
-        if (j->rows - r >= 2) { tile_q4_2(j, r, q); r += 2; }
-        if (j->rows - r == 1) tile_q4_1(j, r, q);
-    }
+/* A quad's rows in tiles of 8, 4, 2, 1: its codes unpacked once a tile (q4 here, q8 below). */
+#define DEFINE_QUADS(NAME)                                                                             \
+static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {                             \
+    for (int64_t q = q_begin; q < q_end; q++) {                                                        \
+        int64_t r = 0;                                                                                 \
+        for (; r + 8 <= j->rows; r += 8) tile_##NAME##_8(j, r, q);                                     \
+        if (j->rows - r >= 4) { tile_##NAME##_4(j, r, q); r += 4; }                                    \
+        if (j->rows - r >= 2) { tile_##NAME##_2(j, r, q); r += 2; }                                    \
+        if (j->rows - r == 1) tile_##NAME##_1(j, r, q);                                                \
+    }                                                                                                  \
 }
 #else
 /* 16 vector registers: up to 12 accumulators (3 rows x 4 outputs), one output's codes, temporaries. */
 DEFINE_TILE(3)
 DEFINE_TILE(2)
 DEFINE_TILE(1)
-static void quads_q4(const job_t *j, int64_t q_begin, int64_t q_end) {
-    for (int64_t q = q_begin; q < q_end; q++) {
-        int64_t r = 0;
-        for (; r + 3 <= j->rows; r += 3) tile_q4_3(j, r, q); /* a quad's codes unpacked once for 3 rows */
-        if (j->rows - r == 2) tile_q4_2(j, r, q);
-        else if (j->rows - r == 1) tile_q4_1(j, r, q);
-    }
+/* A quad's rows in tiles of 3, 2, 1: its codes unpacked once a tile (q4 here, q8 below). */
+#define DEFINE_QUADS(NAME)                                                                             \
+static void quads_##NAME(const job_t *j, int64_t q_begin, int64_t q_end) {                             \
+    for (int64_t q = q_begin; q < q_end; q++) {                                                        \
+        int64_t r = 0;                                                                                 \
+        for (; r + 3 <= j->rows; r += 3) tile_##NAME##_3(j, r, q);                                     \
+        if (j->rows - r == 2) tile_##NAME##_2(j, r, q);                                                \
+        else if (j->rows - r == 1) tile_##NAME##_1(j, r, q);                                           \
+    }                                                                                                  \
 }
 #endif
+DEFINE_QUADS(q4)
 
 /* ------------------------------------------------------------------------------------- the LM head (q8) */
 
@@ -490,17 +495,7 @@ DEFINE_TILE_Q8(8)
 DEFINE_TILE_Q8(4)
 DEFINE_TILE_Q8(2)
 DEFINE_TILE_Q8(1)
-
-
-static void quads_q8(const job_t *j, int64_t q_begin, int64_t q_end) {
-    for (int64_t q = q_begin; q < q_end; q++) {
-        int64_t r = 0;
-        for (; r + 8 <= j->rows; r += 8) tile_q8_8(j, r, q); /* a quad's codes widened once for 8 rows */
-        if (j->rows - r >= 4) { tile_q8_4(j, r, q); r += 4; }
-        if (j->rows - r >= 2) { tile_q8_2(j, r, q); r += 2; }
-        if (j->rows - r == 1) tile_q8_1(j, r, q);
-    }
-}
+DEFINE_QUADS(q8)
 #elif defined(MATMUL_AVX2)
 /* An output's 32 codes widened to 16 bits, times xq by vpmaddwd: 8 int32 lanes an output. */
 #define DEFINE_TILE_Q8(RT)                                                                             \
@@ -536,15 +531,7 @@ static void tile_q8_##RT(const job_t *j, int64_t r0, int64_t quad) {            
 DEFINE_TILE_Q8(3)
 DEFINE_TILE_Q8(2)
 DEFINE_TILE_Q8(1)
-
-static void quads_q8(const job_t *j, int64_t q_begin, int64_t q_end) {
-    for (int64_t q = q_begin; q < q_end; q++) {
-        int64_t r = 0;
-        for (; r + 3 <= j->rows; r += 3) tile_q8_3(j, r, q); /* a quad's codes widened once for 3 rows */
-        if (j->rows - r == 2) tile_q8_2(j, r, q);
-        else if (j->rows - r == 1) tile_q8_1(j, r, q);
-    }
-}
+DEFINE_QUADS(q8)
 #else
 static void tile_q8_1(const job_t *j, int64_t row, int64_t quad) {
     const int64_t in = j->w.in, blocks = in / GROUP;
