@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib.util
 import os
 import platform
@@ -60,15 +59,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# Loaded here, not in the forked child, where dlopen could deadlock on a lock another thread held.
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+# A fresh interpreter that asks the kernel to SIGTERM it when the thread that started it dies, checks that
+# its parent had not died already, then execs the command. Not a preexec_fn: with one, subprocess forks this
+# process and runs Python in the child, where gRPC's fork handlers restart its poller threads, and the
+# child's closing of its descriptors then aborted them (SIGABRT, "epoll_wait error: Bad file descriptor",
+# seen once in CI). Without one, subprocess spawns by vfork and no Python runs before the exec.
+_LAUNCHER = (f"import ctypes, os, sys; ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGTERM)}, 0, 0, 0); "
+             "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execvp(sys.argv[2], sys.argv[2:])")
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """preexec_fn: ask the kernel to SIGTERM the server when the thread that forked it dies."""
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+def die_with_parent(argv: list[str]) -> list[str]:
+    """argv, launched so that the kernel SIGTERMs it when the thread that starts it dies, even by kill -9
+    (Linux; elsewhere argv as it is)."""
+    if sys.platform != "linux":
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *argv]
 
 
 _live_servers: set[EmbeddedRedis] = set()
@@ -144,13 +149,10 @@ class EmbeddedRedis:
             conf_path.write_text(f'requirepass "{_hex(self.password)}"\n')
         args = [str(self.binary), str(conf_path), "--port", str(port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", self._dir]
-        parent_pid = os.getpid()
         _live_servers.add(self)
         try:
             with open(log_path, "wb") as log:
-                self._proc = subprocess.Popen(
-                    args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    preexec_fn=(lambda: _die_with_parent(parent_pid)) if _libc is not None else None)
+                self._proc = subprocess.Popen(die_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
             self._wait_ready(port, log_path)
         except BaseException:
             self.stop()

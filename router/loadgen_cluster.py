@@ -175,15 +175,12 @@ class PinnedCluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(max(p.threads, 1)))
         env.pop("REDIS_PASSWORD", None)
         env.pop("HANDOFF_PREFILL_MODE", None)  # the mode comes from the flag, never from the caller's shell
-        parent_pid = os.getpid()
-        # The embedded Redis's guard: the kernel SIGTERMs the service if the load generator dies, even
-        # by kill -9 (taskset execs python, which keeps it).
-        die_with_parent = (lambda: redis_server._die_with_parent(parent_pid)) if redis_server._libc else None
         with open(p.log_path, "wb") as log:
             # A session of its own: a Ctrl-C to the load generator does not reach the services before
-            # stop() drains them.
-            p.popen = subprocess.Popen(p.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True, preexec_fn=die_with_parent)
+            # stop() drains them. The embedded Redis's guard: the kernel SIGTERMs the service if the load
+            # generator dies, even by kill -9 (taskset execs python, which keeps it).
+            p.popen = subprocess.Popen(redis_server.die_with_parent(p.argv), cwd=REPO, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(p)
 
     def _wait_serving(self, p: Proc, deadline: float) -> None:

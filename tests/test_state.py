@@ -431,3 +431,31 @@ def test_a_refused_command_is_state_unavailable_with_what_to_check(server):
         client.config_set("maxmemory", "0")
     store.register(decode_worker(), ttl_s=30)
     client.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/exe"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_embedded_server_dies_with_the_process_that_started_it():
+    """kill -9 of the process that started an embedded Redis takes the server with it (the kernel's
+    PR_SET_PDEATHSIG, set by the launcher that then execs the server binary itself), with a gRPC channel
+    and server alive in that process, as in a worker."""
+    import subprocess
+    import sys
+    code = ("import grpc, time; from concurrent import futures; from common.redis_server import EmbeddedRedis\n"
+            "server = grpc.server(futures.ThreadPoolExecutor(1)); server.add_insecure_port('127.0.0.1:0'); "
+            "server.start(); channel = grpc.insecure_channel('127.0.0.1:1')\n"
+            "s = EmbeddedRedis().start(); print(s._proc.pid, flush=True); time.sleep(120)")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        server_pid = int(starter.stdout.readline())
+        assert os.readlink(f"/proc/{server_pid}/exe") == str(redis_server.find_server_binary().resolve())
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{server_pid}"):
+        with open(f"/proc/{server_pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # gone, a zombie until init reaps it
+        assert time.monotonic() < deadline, "the server outlived the process that started it"
+        time.sleep(0.05)
