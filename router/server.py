@@ -132,7 +132,7 @@ class RouterServer:
         self._on_loop(self._close_loop())
         self._end_loop()
         # grpc.aio keeps a poller thread until its last server and channel are freed; with it running a
-        # fork (subprocess with a preexec_fn, as EmbeddedRedis starts) can crash the child.
+        # fork that runs Python in the child (a subprocess with a preexec_fn) can crash the child.
         self.server = self.health_server = None
 
     async def _drain(self, grace_s: float) -> None:
