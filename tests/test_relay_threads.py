@@ -222,8 +222,9 @@ def test_a_grpc_deadline_ends_a_stream_queued_or_decoding(cluster):
     def late(rid: str, timeout_s: float) -> list:
         msgs = []
         with grpc.insecure_channel(cluster.address) as ch:
+            # 1,500 tokens outlast the 2 s deadline however fast decode is (400 came close).
             stream = handoff_pb2_grpc.RouterStub(ch).Generate(handoff_pb2.GenerateRequest(
-                prompt=PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True, request_id=rid), timeout=timeout_s)
+                prompt=PROMPT, max_tokens=1500, temperature=0.0, ignore_eos=True, request_id=rid), timeout=timeout_s)
             with pytest.raises(grpc.RpcError) as err:
                 for msg in stream:
                     msgs.append(msg)
