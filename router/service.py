@@ -239,8 +239,12 @@ class GenerateCall:
                 await send(msg)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # grpc.aio's write on a finished call or a stopped server
-                raise _StreamClosed(f"{type(exc).__name__}: {exc}") from exc
+            except Exception as exc:
+                # Only grpc.aio's "this call is over": a finished call (UsageError) or a stopped server
+                # (_ServerStoppedError, not public). Any other write failure stays a failure.
+                if isinstance(exc, grpc.aio.UsageError) or type(exc).__name__ == "_ServerStoppedError":
+                    raise _StreamClosed(f"{type(exc).__name__}: {exc}") from exc
+                raise
         return write
 
     async def _end(self, reason: FinishReason, error: str | None) -> None:
