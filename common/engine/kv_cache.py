@@ -5,6 +5,7 @@ import collections
 
 import torch
 
+from common.engine import pages
 from common.engine.config import ModelConfig
 
 
@@ -172,8 +173,10 @@ class KVCache:
         # masked slot weighs 0, but 0 * inf and 0 * NaN are NaN, so padding over blocks holding
         # non-finite K/V (a bad push, a previous owner's) would poison the row; zeros add nothing.
         self.null_slot = num_blocks * block_size
-        self.kv = torch.zeros(config.num_layers, num_blocks * block_size + 1, 2, config.num_kv_heads,
-                              config.head_dim, dtype=dtype, device=device)
+        shape = (config.num_layers, num_blocks * block_size + 1, 2, config.num_kv_heads, config.head_dim)
+        # On the CPU in huge pages (common/engine/pages.py): a long context's decode reads its K/V every step.
+        self.kv = pages.zeros(shape, dtype) if torch.device(device).type == "cpu" else torch.zeros(
+            shape, dtype=dtype, device=device)
 
     @property
     def kv_bytes(self) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.engine import native
+from common.engine import native, pages
 from common.engine.config import ModelConfig
 from common.engine.weights import release_freed_pages
 
@@ -87,7 +87,8 @@ class Int8Linear:
     either way: the best REFINE_TOP of each row are then recomputed in fp32.
     """
 
-    def __init__(self, weight: torch.Tensor, device, kernels: native.DecodeKernels | None = None):
+    def __init__(self, weight: torch.Tensor, device, kernels: native.DecodeKernels | None = None,
+                 arena: pages.WeightArena | None = None):
         w = weight.to(device=device, dtype=torch.float32)
         # max |w| per row without a full-size |w| temporary (the LM head is the largest weight)
         scales = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).clamp_min(1e-12) / 127.0  # [out]
@@ -97,7 +98,7 @@ class Int8Linear:
         self.integer = self.kernels is None and codes.device.type == "cpu"
         self.scales_fp32 = scales
         if self.kernels is not None:
-            self.codes, self.scales_fp32 = native.pack_q8(codes, scales)
+            self.codes, self.scales_fp32 = native.pack_q8(codes, scales, arena)
         else:  # _int_mm wants [in, out]; contiguous, it ran 1.70 against 2.06 ms for two rows (a transposed view)
             self.codes = codes.t().contiguous() if self.integer else codes.contiguous()
         self.scales = scales.to(torch.bfloat16)  # the weight-only kernel's (off the CPU)
@@ -134,7 +135,8 @@ class Int4Linear:
     rows was 10-20x slower here (an AVX2 host).
     """
 
-    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None, kernel: str = "int"):
+    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None, kernel: str = "int",
+                 arena: pages.WeightArena | None = None):
         codes = np.concatenate([p.codes for p in parts])  # [out, in] 0..15
         scales = np.concatenate([p.scales for p in parts])
         mins = np.concatenate([p.mins for p in parts])
@@ -143,7 +145,7 @@ class Int4Linear:
         self.kernel = kernel  # one of native.Q4_KERNELS, with kernels
         self.out_features = codes.shape[0]
         if kernels is not None:
-            self.packed = native.pack_q4(codes, scales, mins)  # the file's codes and fp16 scales, exactly
+            self.packed = native.pack_q4(codes, scales, mins, arena)  # the file's codes and fp16 scales, exactly
             self.nbytes = self.packed.numel()
             return
         zeros = mins + 8 * scales
@@ -214,11 +216,13 @@ class Llama(torch.nn.Module):
             mode = "torch"
         self.matmuls = mode if self.kernels is not None else "torch"  # how the packed weights are multiplied
         matmul_kernels = self.kernels if mode != "torch" else None
+        # The packed weights decode streams every step, together in huge pages (common/engine/pages.py).
+        self.weight_arena = pages.WeightArena() if matmul_kernels is not None else None
 
         def w4(*names: str) -> Int4Linear | None:
             if not self.has_int4 or any(n not in int4 for n in names):
                 return None
-            return Int4Linear([int4[n] for n in names], device, matmul_kernels, self.matmuls)
+            return Int4Linear([int4[n] for n in names], device, matmul_kernels, self.matmuls, self.weight_arena)
 
         self.embed = w("model.embed_tokens.weight")  # [V, dim]
         self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
@@ -227,7 +231,7 @@ class Llama(torch.nn.Module):
         self.lm_head_fp32 = None if dtype == torch.float32 else head_fp32
         # Decode's LM head: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
         # REFINE_TOP logits of every row are then recomputed exactly in fp32.
-        self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels)
+        self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels, self.weight_arena)
         del head_fp32
         release_freed_pages()
         self.final_norm = w32("model.norm.weight")

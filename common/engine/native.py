@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from common.engine.hardware import auto_matmuls, cpu_flags
+from common.engine.pages import WeightArena
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +84,17 @@ MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int,
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
 # decode_logits.c: logits, rows, vocab, hidden, head, dim, k, threads; x, rows, cols, out, threads
 LOGITS_ARGS = {"refine_top": [_P, _I, _I, _P, _P, _I, _I, _I], "argmax_rows": [_P, _I, _I, _P, _I]}
+Q4_RECORD = 80  # bytes of one block of a quad: 4 x 16 code bytes, 4 fp16 d, 4 fp16 m
 QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleaved: one stream per tile
 GROUP = 32
 
 
-def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> torch.Tensor:
+def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray,
+            arena: WeightArena | None = None) -> torch.Tensor:
     """GGUF Q4 weights (codes [out, in] in 0..15; scales and mins [out, in / 32], fp16-exact values) →
     decode_matmul.c's layout: [quads, in / 32, 80] bytes, per block the four outputs' 16 code bytes (input j
-    in byte j's low nibble, j + 16 in its high one), their four fp16 d, their four fp16 m."""
+    in byte j's low nibble, j + 16 in its high one), their four fp16 d, their four fp16 m. In `arena`'s
+    memory where one is given."""
     out_features, in_features = codes.shape
     pad = -out_features % QUAD
     blocks = in_features // GROUP
@@ -104,18 +108,28 @@ def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> torch.Te
     d = np.ascontiguousarray(quads(scales.astype(np.float16))).view(np.uint8)  # [quads, blocks, 8]
     m = np.ascontiguousarray(quads(mins.astype(np.float16))).view(np.uint8)
     n = qs.shape[0]
-    return torch.from_numpy(np.concatenate([qs.reshape(n, blocks, 64), d, m], axis=-1))
+    parts = [qs.reshape(n, blocks, 64), d, m]
+    if arena is None:
+        return torch.from_numpy(np.concatenate(parts, axis=-1))
+    packed = arena.take(n * blocks * Q4_RECORD).view(n, blocks, Q4_RECORD)
+    np.concatenate(parts, axis=-1, out=packed.numpy())
+    return packed
 
 
-def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
+            arena: WeightArena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes [out, in] with scales [out] → decode_matmul.c's layout: codes [quads, in / 32, 4, 32],
-    scales padded to [quads * 4]."""
+    scales padded to [quads * 4]. The codes in `arena`'s memory where one is given."""
     out_features, in_features = codes.shape
     pad = -out_features % QUAD
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, in_features)])
         scales = torch.cat([scales, scales.new_zeros(pad)])
-    packed = codes.view(-1, QUAD, in_features // GROUP, GROUP).transpose(1, 2).contiguous()
+    layout = codes.view(-1, QUAD, in_features // GROUP, GROUP).transpose(1, 2)
+    if arena is None:
+        return layout.contiguous(), scales.contiguous()
+    packed = arena.take(layout.numel()).view(torch.int8).view(layout.shape)
+    packed.copy_(layout)
     return packed, scales.contiguous()
 
 

@@ -1,0 +1,99 @@
+"""common/engine/pages.py: the packed decode weights and the KV pool in huge-page mappings.
+
+The kernel's own account (/proc/self/smaps) says whether a mapping may get huge pages (`THPeligible`):
+that is what the advice decides, deterministic where THP is `madvise`. Whether the kernel then finds free
+2 MiB pages depends on the host's memory, so no test asserts `AnonHugePages`; the benchmark prints it.
+"""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from common.engine import native, pages
+from tests.test_native_matmul import _q4_weight
+
+
+def _vma(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    fields, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                start, end = (int(v, 16) for v in head.split("-"))
+                if inside:
+                    break
+                inside = start <= address < end
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    assert fields, f"no mapping holds {address:#x}"
+    return fields
+
+
+def _eligible(t: torch.Tensor) -> bool:
+    return _vma(t.data_ptr()).get("THPeligible") == "1"
+
+
+needs_madvise_mode = pytest.mark.skipif(pages.thp_mode() != "madvise",
+                                        reason=f"THP is {pages.thp_mode()!r} here, not 'madvise'")
+
+
+def test_zeros_is_torch_zeros_in_its_own_aligned_mapping():
+    t = pages.zeros((3, 1000, 2, 3, 64), torch.bfloat16)
+    assert t.shape == (3, 1000, 2, 3, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any() and t.data_ptr() % pages.HUGE_PAGE == 0
+    t[2, 999] = 1.5  # writable to its last element
+    assert t.sum().item() == 1.5 * 2 * 3 * 64
+
+
+@needs_madvise_mode
+def test_the_advice_makes_a_mapping_eligible_and_the_switch_turns_it_off(monkeypatch):
+    assert _eligible(pages.zeros((4 << 20,), torch.uint8))
+    monkeypatch.setenv(pages.ENV_HUGE_PAGES, "0")
+    assert not _eligible(pages.zeros((4 << 20,), torch.uint8))
+    arena = pages.WeightArena()
+    assert not arena.huge and not _eligible(arena.take(1000))
+
+
+def test_the_arena_hands_out_aligned_disjoint_ranges_that_outlive_it():
+    arena = pages.WeightArena()
+    sizes = [1000, 80, pages.ARENA_CHUNK - 5000, 3 * pages.ARENA_CHUNK, 64]  # the third and fourth need new chunks
+    parts = [arena.take(n) for n in sizes]
+    assert [p.numel() for p in parts] == sizes and all(p.data_ptr() % 64 == 0 for p in parts)
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel()) for p in parts)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "two ranges overlap"
+    assert len(arena.chunks) == 3
+    for i, p in enumerate(parts):
+        p.fill_(i + 1)
+    del arena
+    gc.collect()
+    assert all(bool((p == i + 1).all()) for i, p in enumerate(parts))
+
+
+def test_packing_into_an_arena_gives_the_same_bytes():
+    codes, d, m, _ = _q4_weight(102, 576)
+    arena = pages.WeightArena()
+    assert torch.equal(native.pack_q4(codes, d, m, arena), native.pack_q4(codes, d, m))
+    rng = np.random.default_rng(3)
+    q8 = torch.from_numpy(rng.integers(-127, 128, (102, 576), dtype=np.int8))
+    scales = torch.rand(102)
+    (a, sa), (b, sb) = native.pack_q8(q8, scales, arena), native.pack_q8(q8, scales)
+    assert torch.equal(a, b) and torch.equal(sa, sb) and a.dtype == torch.int8
+
+
+@needs_madvise_mode
+def test_a_models_packed_weights_and_kv_pool_are_in_eligible_mappings(make_runner):
+    runner = make_runner(num_blocks=64, dtype=torch.bfloat16, int4_decode=True)
+    model = runner.model
+    if model.weight_arena is None:
+        pytest.skip("no native matmuls here: the packed weights are torch's")
+    packed = [model.lm_head_int8.codes] + [layer[n].packed for layer in model.layers
+                                           for n in ("wqkv4", "wo4", "w134", "w24")]
+    chunks = [(c.data_ptr(), c.data_ptr() + c.numel()) for c in model.weight_arena.chunks]
+    assert all(any(lo <= t.data_ptr() and t.data_ptr() + t.numel() <= hi for lo, hi in chunks) for t in packed)
+    assert all(_eligible(c) for c in model.weight_arena.chunks)
+    assert _eligible(runner.cache.kv)
