@@ -16,26 +16,10 @@ from common.engine import native, pages
 from tests.test_native_matmul import _q4_weight
 
 
-def _vma(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds `address`."""
-    fields, inside = {}, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
-                start, end = (int(v, 16) for v in head.split("-"))
-                if inside:
-                    break
-                inside = start <= address < end
-            elif inside:
-                key, _, value = line.partition(":")
-                fields[key] = value.strip()
-    assert fields, f"no mapping holds {address:#x}"
-    return fields
-
-
 def _eligible(t: torch.Tensor) -> bool:
-    return _vma(t.data_ptr()).get("THPeligible") == "1"
+    fields = pages.smaps_fields(t.data_ptr())
+    assert fields, f"no mapping holds {t.data_ptr():#x}"
+    return fields.get("THPeligible") == "1"
 
 
 needs_madvise_mode = pytest.mark.skipif(pages.thp_mode() != "madvise",
@@ -54,7 +38,9 @@ def test_zeros_is_torch_zeros_in_its_own_aligned_mapping():
 def test_the_advice_makes_a_mapping_eligible_and_the_switch_turns_it_off(monkeypatch):
     assert _eligible(pages.zeros((4 << 20,), torch.uint8))
     monkeypatch.setenv(pages.ENV_HUGE_PAGES, "0")
-    assert not _eligible(pages.zeros((4 << 20,), torch.uint8))
+    off = pages.zeros((8 << 20,), torch.uint8)  # every page touched
+    assert not _eligible(off) and pages.huge_page_bytes([off]) == 0
+    assert int(pages.smaps_fields(off.data_ptr())["Rss"].split()[0]) >= 8 << 10  # kB: smaps is read right
     arena = pages.WeightArena()
     assert not arena.huge and not _eligible(arena.take(1000))
 

@@ -521,6 +521,13 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         frac = engine_tok_s_1 / bound
         emit(f"decode_1seq_fraction_of_bound_{label}", frac, "fraction (engine tok/s at 1 seq / bound)",
              target=">= 0.6", met=frac >= 0.6)
+    if model.weight_arena is not None:  # how much of what a step streams the kernel gave huge pages
+        from common.engine import pages
+
+        packed = model.weight_arena.chunks
+        emit("decode_weights_in_huge_pages", pages.huge_page_bytes(packed) / 1e6,
+             f"MB of the {sum(c.numel() for c in packed) / 1e6:.1f} MB packed-weight arena in 2 MiB pages "
+             "(AnonHugePages)", transparent_huge_pages=pages.thp_mode(), advised=model.weight_arena.huge)
 
 
 def bench_decode_long(ours: Ours, hf: HF, context: int, steps: int, warmup: int, llama: LlamaCpp | None) -> None:
@@ -652,7 +659,7 @@ def main(argv: list[str] | None = None) -> None:
     steps, warmup = (16, 4) if q else (64, 8)
     long_context = None if q else LONG_CONTEXT
     t_start = time.perf_counter()
-    from common.engine import native
+    from common.engine import native, pages
     from common.engine.hardware import auto_dtype, reported_flags
     from common.engine.runner import DTYPE_NAMES
 
@@ -662,7 +669,8 @@ def main(argv: list[str] | None = None) -> None:
         f"sections {sorted(sections)}{' (quick)' if q else ''}")
     print(json.dumps({"name": "machine", "cpu_flags": reported_flags(), "dtype": args.dtype,
                       "dtype_asked": asked, "why": auto_dtype()[1], "threads": args.threads,
-                      "decode_matmuls": native.matmuls_mode()[1]}), flush=True)
+                      "decode_matmuls": native.matmuls_mode()[1], "transparent_huge_pages": pages.thp_mode(),
+                      "huge_pages": pages.enabled()}), flush=True)
     emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
 
     probes = start_memory_probes(args.dtype, args.threads) if "memory" in sections else {}

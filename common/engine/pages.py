@@ -42,6 +42,40 @@ def thp_mode() -> str:
     return text[start + 1:end] if 0 <= start < end else "unavailable"
 
 
+def smaps_fields(address: int) -> dict[str, str]:
+    """/proc/self/smaps' fields (`Rss`, `AnonHugePages`, `THPeligible`, ...) of the mapping that holds
+    `address`, and `start`, where it begins; empty where there is no such file or mapping."""
+    fields, inside = {}, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                    if inside:
+                        break
+                    start, end = (int(v, 16) for v in head.split("-"))
+                    inside = start <= address < end
+                    if inside:
+                        fields["start"] = head.split("-")[0]
+                elif inside:
+                    key, _, value = line.partition(":")
+                    fields[key] = value.strip()
+    except OSError:
+        return {}
+    return fields
+
+
+def huge_page_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes in huge pages (`AnonHugePages`) of the distinct mappings holding these tensors."""
+    seen, total = set(), 0
+    for t in tensors:
+        fields = smaps_fields(t.data_ptr())
+        if fields and fields["start"] not in seen:
+            seen.add(fields["start"])
+            total += int(fields.get("AnonHugePages", "0 kB").split()[0]) << 10
+    return total
+
+
 def mapping(nbytes: int, huge: bool | None = None) -> torch.Tensor:
     """A uint8 tensor of nbytes on a fresh private anonymous mapping (zero-filled by the kernel, untouched),
     starting on a huge-page boundary and advised for huge pages unless `huge` is False (default:
