@@ -83,3 +83,14 @@ def test_a_models_packed_weights_and_kv_pool_are_in_eligible_mappings(make_runne
     assert all(any(lo <= t.data_ptr() and t.data_ptr() + t.numel() <= hi for lo, hi in chunks) for t in packed)
     assert all(_eligible(c) for c in model.weight_arena.chunks)
     assert _eligible(runner.cache.kv)
+
+
+def test_a_kv_pool_larger_than_the_address_space_says_what_to_lower():
+    import dataclasses
+
+    from common.engine.kv_cache import KVCache
+    from tests.test_kv_cache import TINY
+
+    wide = dataclasses.replace(TINY, num_layers=1000, num_heads=64, num_kv_heads=64, head_dim=256)  # 1 GiB a block
+    with pytest.raises(MemoryError, match=r"KV pool \(200000 blocks of 16 tokens, [\d.]+ GiB\).*--kv-memory-gib"):
+        KVCache(wide, 200_000, 16, torch.bfloat16)  # 195 TiB: past any address space

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import math
 
 import torch
 
@@ -175,8 +176,15 @@ class KVCache:
         self.null_slot = num_blocks * block_size
         shape = (config.num_layers, num_blocks * block_size + 1, 2, config.num_kv_heads, config.head_dim)
         # On the CPU in huge pages (common/engine/pages.py): a long context's decode reads its K/V every step.
-        self.kv = pages.zeros(shape, dtype) if torch.device(device).type == "cpu" else torch.zeros(
-            shape, dtype=dtype, device=device)
+        try:
+            self.kv = pages.zeros(shape, dtype) if torch.device(device).type == "cpu" else torch.zeros(
+                shape, dtype=dtype, device=device)
+        except (MemoryError, RuntimeError) as exc:  # RuntimeError: torch's allocator, off the CPU
+            gib = math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2 ** 30
+            raise MemoryError(
+                f"the KV pool ({num_blocks} blocks of {block_size} tokens, {gib:.2f} GiB) does not fit in memory "
+                f"({exc}); give the worker a smaller KV budget (decode: --kv-memory-gib, HANDOFF_KV_MEMORY_GIB) "
+                "or more memory") from exc
 
     @property
     def kv_bytes(self) -> int:

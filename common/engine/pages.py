@@ -82,7 +82,10 @@ def mapping(nbytes: int, huge: bool | None = None) -> torch.Tensor:
     `enabled()`)."""
     huge = enabled() if huge is None else huge
     size = max(HUGE_PAGE, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
-    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # the kernel refused the address space (overcommit limits, a container's cap)
+        raise MemoryError(f"cannot map {nbytes / 2 ** 30:.2f} GiB: {exc.strerror or exc}") from exc
     whole = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
     skip = -whole.data_ptr() % HUGE_PAGE
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
