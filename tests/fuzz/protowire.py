@@ -432,18 +432,20 @@ def generate_verdict(raw: bytes, cluster, used_rids: set[str]) -> Verdict:
                  *(["prompt"] if no_tokens else []))
         return Verdict({"INVALID_ARGUMENT"}, hints, "violates " + ", ".join(bad), r)
     if no_tokens:
-        return Verdict({"INVALID_ARGUMENT"}, ("prompt",), "a prompt that encodes to no tokens", r)
+        return Verdict({"INVALID_ARGUMENT"}, ("prompt", *loose), "a prompt that encodes to no tokens", r)
     try:
         text = r.prompt or tok.apply_chat_template([{"role": m.role, "content": m.content} for m in r.messages])
         prompt_len = len(tok.encode(text))
     except ValueError:  # the chat template refused: INVALID_ARGUMENT is right
         return Verdict({"INVALID_ARGUMENT"}, ("messages", "role"), "chat template refuses", r)
+    # Past here a refusal may name the context, or any loose field: the router checks those first.
     room = model.max_position - prompt_len
     max_tokens = r.max_tokens if r.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, room)
     if room < 1:
-        return Verdict({"INVALID_ARGUMENT"}, ("context",), f"prompt of {prompt_len} tokens fills the context", r)
+        return Verdict({"INVALID_ARGUMENT"}, ("context", *loose), f"prompt of {prompt_len} tokens fills the context",
+                       r)
     if max_tokens > room:
-        return Verdict({"INVALID_ARGUMENT"}, ("max_tokens",), "max_tokens past the context", r)
+        return Verdict({"INVALID_ARGUMENT"}, ("max_tokens", *loose), "max_tokens past the context", r)
     pool = cluster.decode[0].engine.pool
     codes = {"RESOURCE_EXHAUSTED"} if pool.blocks_for(prompt_len + max_tokens) > pool.num_blocks else {"OK"}
     if r.request_id and r.request_id in used_rids:
