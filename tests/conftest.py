@@ -115,8 +115,7 @@ def other_build(tmp_path: Path, march: str):
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     path = tmp_path / f"decode_kernels-{march}.so"
-    native._compile(native._compiler(None), [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS],
-                    path)
+    native._compile(native._compiler(None), native.march_flags(march), path)
     return native.DecodeKernels(path)
 
 

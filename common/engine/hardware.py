@@ -1,7 +1,9 @@
-"""What the machine offers the engine: CPU instruction sets, and the dtype `auto` picks from them."""
+"""What the machine offers the engine: CPU instruction sets, and the dtype `auto` picks from them; and the
+operator's on/off switches for the machine-dependent paths (native kernels, huge pages)."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -9,6 +11,12 @@ import torch
 # CPU flags that decide how fast 16-bit matmuls are (as /proc/cpuinfo and lscpu name them).
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+OFF, ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")  # an environment switch's spellings
+
+
+def switched_off(variable: str) -> bool:
+    """Whether environment variable `variable` says off (0, false, no, off); unset means on."""
+    return os.environ.get(variable, "1").strip().lower() in OFF
 
 
 @functools.cache

@@ -180,7 +180,7 @@ class KVCache:
             self.kv = pages.zeros(shape, dtype) if torch.device(device).type == "cpu" else torch.zeros(
                 shape, dtype=dtype, device=device)
         except (MemoryError, RuntimeError) as exc:  # RuntimeError: torch's allocator, off the CPU
-            gib = math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2 ** 30
+            gib = math.prod(shape) * dtype.itemsize / 2 ** 30
             raise MemoryError(
                 f"the KV pool ({num_blocks} blocks of {block_size} tokens, {gib:.2f} GiB) does not fit in memory "
                 f"({exc}); give the worker a smaller KV budget (decode: --kv-memory-gib, HANDOFF_KV_MEMORY_GIB) "

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.engine.hardware import auto_matmuls, cpu_flags
+from common.engine.hardware import OFF, ON, auto_matmuls, cpu_flags, switched_off
 from common.engine.pages import WeightArena
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,12 @@ LOGITS_SOURCE = Path(__file__).with_name("decode_logits.c")
 # -fopenmp: the matmuls run on an OpenMP team, linked against the libgomp torch loaded (decode_matmul.c).
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared", "-fopenmp"]
 # For a library built on one machine and run on others (an image): AVX2 + FMA, which every host here has.
-PORTABLE_FLAGS = [f if f != "-march=native" else "-march=x86-64-v3" for f in FLAGS]
+def march_flags(march: str) -> list[str]:
+    """FLAGS for another -march (a build for other machines, or the tests' other builds)."""
+    return [f if f != "-march=native" else f"-march={march}" for f in FLAGS]
+
+
+PORTABLE_FLAGS = march_flags("x86-64-v3")
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
 # 1 (or int): the packed weights go through decode_matmul.c's integer kernel; bf16: through its bf16 dot
 # kernel; f32: through its fp32 one; 0: through torch's int4 kernel (and the int8 head through
@@ -350,13 +355,6 @@ class DecodeKernels:
         return out
 
 
-_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
-
-
-def _off(variable: str) -> bool:
-    return os.environ.get(variable, "1").strip().lower() in _OFF
-
-
 MATMUL_MODES = ("torch", *Q4_KERNELS)
 
 
@@ -366,9 +364,9 @@ def matmuls_mode() -> tuple[str, str]:
     products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs). Raises
     ValueError on a value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
-    if value in _OFF:
+    if value in OFF:
         return "torch", f"torch's int4 kernel ({ENV_MATMUL}={value})"
-    if value in _ON or value == "int":
+    if value in ON or value == "int":
         return "int", f"decode_matmul.c, integer products ({ENV_MATMUL}={value})"
     if value == "bf16":
         return "bf16dot", f"decode_matmul.c, the bf16 dot instruction ({ENV_MATMUL}={value})"
@@ -384,7 +382,7 @@ def matmuls_mode() -> tuple[str, str]:
 @functools.cache
 def kernel() -> DecodeKernels | None:
     """This process's kernels, built on first call; None where it is switched off or cannot be built."""
-    if _off(ENV_SWITCH):
+    if switched_off(ENV_SWITCH):
         log.info("decode: eager path (%s=0)", ENV_SWITCH)
         return None
     try:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 
 import torch
+
+from common.engine.hardware import switched_off
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ ENV_HUGE_PAGES = "HANDOFF_HUGE_PAGES"  # 0: 4 KiB pages for the packed weights a
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_HUGE_PAGES, "1").strip().lower() not in ("0", "false", "no", "off")
+    return not switched_off(ENV_HUGE_PAGES)
 
 
 def thp_mode() -> str:
@@ -42,38 +43,35 @@ def thp_mode() -> str:
     return text[start + 1:end] if 0 <= start < end else "unavailable"
 
 
-def smaps_fields(address: int) -> dict[str, str]:
-    """/proc/self/smaps' fields (`Rss`, `AnonHugePages`, `THPeligible`, ...) of the mapping that holds
-    `address`, and `start`, where it begins; empty where there is no such file or mapping."""
-    fields, inside = {}, False
+def _smaps() -> list[tuple[int, int, dict[str, str]]]:
+    """/proc/self/smaps: every mapping's start, end and fields (`Rss`, `AnonHugePages`, `THPeligible`, ...);
+    empty where there is no such file."""
+    maps: list[tuple[int, int, dict[str, str]]] = []
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
-                    if inside:
-                        break
                     start, end = (int(v, 16) for v in head.split("-"))
-                    inside = start <= address < end
-                    if inside:
-                        fields["start"] = head.split("-")[0]
-                elif inside:
+                    maps.append((start, end, {}))
+                elif maps:
                     key, _, value = line.partition(":")
-                    fields[key] = value.strip()
+                    maps[-1][2][key] = value.strip()
     except OSError:
-        return {}
-    return fields
+        return []
+    return maps
+
+
+def smaps_fields(address: int) -> dict[str, str]:
+    """The smaps fields of the mapping that holds `address`; empty where there is none."""
+    return next((fields for start, end, fields in _smaps() if start <= address < end), {})
 
 
 def huge_page_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes in huge pages (`AnonHugePages`) of the distinct mappings holding these tensors."""
-    seen, total = set(), 0
-    for t in tensors:
-        fields = smaps_fields(t.data_ptr())
-        if fields and fields["start"] not in seen:
-            seen.add(fields["start"])
-            total += int(fields.get("AnonHugePages", "0 kB").split()[0]) << 10
-    return total
+    holding = [(start, end, fields) for start, end, fields in _smaps()
+               if any(start <= t.data_ptr() < end for t in tensors)]
+    return sum(int(fields.get("AnonHugePages", "0 kB").split()[0]) << 10 for _, _, fields in holding)
 
 
 def mapping(nbytes: int, huge: bool | None = None) -> torch.Tensor:
@@ -99,7 +97,7 @@ def mapping(nbytes: int, huge: bool | None = None) -> torch.Tensor:
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the CPU, in its own huge-page mapping, every page touched now (so that
     memory is taken at start, as torch.zeros takes it, and no step pays a page fault)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     t = mapping(nbytes).view(dtype).view(shape)
     t.zero_()
     return t
@@ -112,15 +110,14 @@ class WeightArena:
 
     def __init__(self, huge: bool | None = None):
         self.huge = enabled() if huge is None else huge
-        self._chunk: torch.Tensor | None = None
-        self._used = 0
         self.chunks: list[torch.Tensor] = []
+        self._used = 0  # bytes of the last chunk handed out
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of nbytes (zero until written), 64-byte aligned."""
         start = -(-self._used // 64) * 64
-        if self._chunk is None or start + nbytes > self._chunk.numel():
-            self._chunk, start = mapping(max(ARENA_CHUNK, nbytes), self.huge), 0
-            self.chunks.append(self._chunk)
+        if not self.chunks or start + nbytes > self.chunks[-1].numel():
+            self.chunks.append(mapping(max(ARENA_CHUNK, nbytes), self.huge))
+            start = 0
         self._used = start + nbytes
-        return self._chunk[start:start + nbytes]
+        return self.chunks[-1][start:start + nbytes]
