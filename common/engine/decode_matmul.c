@@ -574,6 +574,7 @@ static void quads_q8(const job_t *j, int64_t q_begin, int64_t q_end) {
  *
  * A (row, output)'s operations and their order do not depend on the rows beside it: invariant 4. */
 #define BF16DOT_LANES 4 /* fp32 lanes per output and block: a 128-bit lane of the 512-bit register */
+#define BF16DOT_SUMS (2 * BF16DOT_LANES) /* a row's floats a block: its lane sums, then -128 times them */
 
 /* The quad's 4 x 32 weights of a block as 128 + q in bf16: w[k] holds inputs 8k .. 8k + 7 of output t in
  * its 128-bit lane t (byte j of a code: input j in the low nibble, j + 16 in the high one). */
@@ -586,14 +587,16 @@ static inline __attribute__((always_inline)) void unpack_bf16(const uint8_t *rec
     w[3] = (__m512bh)_mm512_unpackhi_epi8(hi, exp128);
 }
 
-/* The quad's 4 fp16 values at `at` (d or m), exact in fp32, each spread over its output's 4 lanes. */
-static inline __attribute__((always_inline)) __m512 spread_bf16dot(const uint8_t *at) {
-    const __m512 four = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)at)));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), four);
+/* The quad's 4 d and 4 m (fp16, side by side at `at`), exact in fp32, each spread over its output's 4 lanes:
+ * one conversion for both. */
+static inline __attribute__((always_inline)) void spread_bf16dot(const uint8_t *at, __m512 *d, __m512 *m) {
+    const __m512 eight = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at)));
+    *d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), eight);
+    *m = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), eight);
 }
 
-/* One row's block sums: sumx [blocks, 4] = the lane's sum of x, in fp32 in input order (x bf16, so each
- * term is exact). */
+/* One row's block sums: sumx [blocks, 8]: the lane's sum of x, in fp32 in input order (x bf16, so each term
+ * is exact), then -128 times it (exact too: the dot products' starting value, computed once a row). */
 static void lane_sums_bf16dot(const uint16_t *x, int64_t in, float *sumx) {
     for (int64_t b = 0; b < in / GROUP; b++)
         for (int l = 0; l < BF16DOT_LANES; l++) {
@@ -603,7 +606,8 @@ static void lane_sums_bf16dot(const uint16_t *x, int64_t in, float *sumx) {
                 s += bf16_to_f32(p[0]);
                 s += bf16_to_f32(p[1]);
             }
-            sumx[b * BF16DOT_LANES + l] = s;
+            sumx[b * BF16DOT_SUMS + l] = s;
+            sumx[b * BF16DOT_SUMS + BF16DOT_LANES + l] = s * -128.0f;
         }
 }
 
@@ -616,12 +620,13 @@ static void tile_bf16dot_##RT(const job_t *j, int64_t r0, int64_t quad) {       
     for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                           \
         __m512bh w[4];                                                                                 \
         unpack_bf16(rec, w);                                                                           \
-        const __m512 d = spread_bf16dot(rec + 64), m = spread_bf16dot(rec + 72);                       \
+        __m512 d, m;                                                                                   \
+        spread_bf16dot(rec + 64, &d, &m);                                                              \
         for (int r = 0; r < RT; r++) {                                                                 \
             const uint16_t *x = j->xb + (r0 + r) * in + b * GROUP;                                     \
-            const int64_t at = ((r0 + r) * blocks + b) * BF16DOT_LANES;                                \
-            const __m512 sums = _mm512_broadcast_f32x4(_mm_loadu_ps(j->sumx + at));                    \
-            __m512 t = _mm512_mul_ps(sums, _mm512_set1_ps(-128.0f)); /* exact */                       \
+            const float *at = j->sumx + ((r0 + r) * blocks + b) * BF16DOT_SUMS;                        \
+            const __m512 sums = _mm512_broadcast_f32x4(_mm_loadu_ps(at));                              \
+            __m512 t = _mm512_broadcast_f32x4(_mm_loadu_ps(at + BF16DOT_LANES)); /* -128 sums */       \
             for (int k = 0; k < 4; k++)                                                                \
                 t = _mm512_dpbf16_ps(t, w[k], (__m512bh)_mm512_broadcast_i32x4(                        \
                                                   _mm_loadu_si128((const __m128i *)(x + 8 * k))));     \
@@ -910,7 +915,7 @@ int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows,
     if (!rows) return 0;
     const int64_t blocks = in / GROUP;
     uint16_t *xb = NULL;
-    float *sums = malloc((size_t)(rows * blocks * BF16DOT_LANES) * sizeof *sums);
+    float *sums = malloc((size_t)(rows * blocks * BF16DOT_SUMS) * sizeof *sums);
     if (!sums || ((!x_bf16 || x_stride != in) && !(xb = malloc((size_t)(rows * in) * sizeof *xb)))) {
         free(sums);
         return -ENOMEM;
@@ -922,7 +927,7 @@ int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows,
             for (int64_t k = 0; k < in; k++)
                 xb[r * in + k] = x_bf16 ? ((const uint16_t *)x)[r * x_stride + k]
                                         : f32_to_bf16(((const float *)x)[r * x_stride + k]);
-        lane_sums_bf16dot(xr + r * in, in, sums + r * blocks * BF16DOT_LANES);
+        lane_sums_bf16dot(xr + r * in, in, sums + r * blocks * BF16DOT_SUMS);
     }
     job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, NULL, sums, xr, NULL, rows, y, y_stride, y_bf16};
     const int err = run(&j, threads);

@@ -1,0 +1,40 @@
+"""The engine benchmark's decode bound: the memory's speed is measured in turn with the 1-stream steps it
+bounds, one pass a round, and each fraction says which bandwidth it divides by."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.bench import engine
+from common.bench.bandwidth import ReadBandwidth
+
+
+def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys):
+    ours, hf = engine.Ours("bf16", num_blocks=32), engine.HF("bf16")
+    bandwidth = ReadBandwidth(16 << 20)
+    passes_before = bandwidth.num_passes
+    steps = 3
+    engine.bench_decode(ours, hf, [1], steps=steps, warmup=1, bandwidth=bandwidth, dtype="bf16")
+    recs = {r["name"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+
+    in_turn, best = recs["memory_read_bandwidth_in_turn"], recs["memory_read_bandwidth"]
+    # One pass a round of the rotation (plus the warm-up one, and two after the batch size), all counted
+    # towards the best pass as well; the median pass cannot beat the best one.
+    assert in_turn["passes"] == steps
+    assert bandwidth.num_passes - passes_before == steps + 1 + 2 == best["passes"]
+    assert 0 < in_turn["value"] <= best["value"] == pytest.approx(in_turn["best_pass_gbs"])
+    # The bandwidth loop is not a decode figure.
+    assert not [n for n in recs if "bandwidth" in n and n.startswith("decode_tok_s")]
+
+    tok_s = recs["decode_tok_s_1seq"]["value"]
+    for label in ("bf16", "read"):
+        bound = recs[f"decode_1seq_bound_{label}_weights"]
+        nbytes = bound["weight_bytes"]
+        assert bound["value"] == pytest.approx(in_turn["value"] * 1e9 / nbytes, rel=2e-3)
+        assert bound["best_pass_bound"] == pytest.approx(best["value"] * 1e9 / nbytes, rel=2e-3)
+        frac, frac_best = (recs[f"decode_1seq_fraction_of_bound_{label}{s}"] for s in ("", "_best_pass"))
+        assert frac["value"] == pytest.approx(tok_s / bound["value"], rel=2e-3)
+        assert frac_best["value"] == pytest.approx(tok_s / bound["best_pass_bound"], rel=2e-3)
+        assert frac_best["value"] <= frac["value"] * (1 + 2e-3)
+        assert "median pass in turn" in frac["unit"] and "best pass" in frac_best["unit"]
