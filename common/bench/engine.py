@@ -260,8 +260,9 @@ class EngineDecode:
 class BandwidthPasses:
     """A pass of the bandwidth probe as one more loop in the batch-1 rotation: the memory's speed measured
     in the same spells as the steps it bounds. How fast the memory reads swings with what else the host
-    runs (a pass read 45 GB/s one minute and 68 the next here), so a bound from the run's best pass, set
-    against a median step taken at other moments, mixes two machines."""
+    runs (a plain 2-thread read of 1 GiB ran at 41-50 GB/s, and seconds later at 76-81, on the AVX-512
+    EPYC VM), so a bound from the run's best pass, set against a median step taken at other moments, mixes
+    two machines."""
 
     name = "bandwidth"
 

@@ -65,7 +65,7 @@ ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of 
 # split runs on torch's OpenMP team, whose threads are already awake, so it pays early: 2 rows of 107
 # positions took 36 against 55 us on 2 threads, 32 rows of 130 0.43 against 0.84 ms (fp32, an AVX2 host).
 # One row of 107 splits too: a whole 1-row step took 2.37 / 2.41 / 2.46 ms (min / p25 / median of 16
-# alternating rounds) against 2.47 / 2.51 / 2.67 with 1536 here, 4.27 / 4.35 / 4.43 against
+# alternating rounds) against 2.47 / 2.51 / 2.67 with 1536 (bf16, an AVX-512 EPYC), 4.27 / 4.35 / 4.43 against
 # 4.47 / 4.52 / 4.58 in fp32 on the portable AVX2 build (AVX-512 EPYC), and at 60 positions 2.45 / 2.54 /
 # 2.58 against 2.52 / 2.60 / 2.67.
 SPLIT_MIN_WORK = 256
