@@ -59,6 +59,13 @@
 #define Q8_RECORD 128
 #define XQ_MAX 32767.0f
 #define SPLIT_QUADS 2  /* quads are split between threads in multiples of this */
+/* A matmul streams its weights once, each thread one contiguous range. The hardware prefetcher alone kept
+ * a 1-row matmul at ~80 % of a plain read of the same bytes (66 MB of 1.1 MB weights, cold, 2 threads:
+ * 1.35-1.39 against 1.06-1.16 ms); asking for the bytes this far ahead as each block is read brought it to
+ * 1.24-1.27 ms (5,120 and 8,000 bytes ahead the best of 640-20,480). A prefetch past the end of the weights
+ * is harmless: it never faults. */
+#define PREFETCH_AHEAD 6144
+#define PREFETCH(rec) __builtin_prefetch((const char *)(rec) + PREFETCH_AHEAD, 0, 3)
 
 enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1, FORMAT_Q4_BF16DOT = 2, FORMAT_Q4_F32 = 3 };
 
@@ -258,6 +265,7 @@ static void tile_q4_##RT(const job_t *j, int64_t r0, int64_t quad) {            
         for (int t = 0; t < QUAD; t++) acc[r][t] = _mm256_setzero_ps();                                \
     const uint8_t *rec = record(&j->w, quad, 0);                                                       \
         for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                                \
+        PREFETCH(rec);                                                                                 \
         float scale[RT][QUAD];                                                                         \
         for (int r = 0; r < RT; r++) block_scales(rec, j->sx[(r0 + r) * blocks + b], scale[r]);   \
         for (int t = 0; t < QUAD; t++) {                                                               \
@@ -332,6 +340,7 @@ static void tile_q4_##RT(const job_t *j, int64_t r0, int64_t quad) {            
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                          \
     const uint8_t *rec = record(&j->w, quad, 0);                                                       \
         for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                                \
+        PREFETCH(rec);                                                                                 \
         __m512i lo[2], hi[2];                                                                          \
         __m512 d[2];                                                                                   \
         for (int p = 0; p < 2; p++) {                                                                  \
@@ -478,6 +487,7 @@ static void tile_q8_##RT(const job_t *j, int64_t r0, int64_t quad) {            
         for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();                   \
         const uint8_t *rec = record(&j->w, quad, b0);                                                  \
         for (int64_t b = b0; b < b1; b++, rec += Q8_RECORD) {                                          \
+            PREFETCH(rec);                                                                             \
             __m512i lo[2], hi[2];                                                                      \
             for (int p = 0; p < 2; p++) pair_codes_q8(rec, p, &lo[p], &hi[p]);                        \
             for (int r = 0; r < RT; r++) {                                                             \
@@ -508,7 +518,8 @@ static void tile_q8_##RT(const job_t *j, int64_t r0, int64_t quad) {            
         for (int r = 0; r < RT; r++)                                                                   \
             for (int t = 0; t < QUAD; t++) acc[r][t] = _mm256_setzero_si256();                         \
         const uint8_t *rec = record(&j->w, quad, b0);                                                  \
-        for (int64_t b = b0; b < b1; b++, rec += Q8_RECORD)                                            \
+        for (int64_t b = b0; b < b1; b++, rec += Q8_RECORD) {                                          \
+            PREFETCH(rec);                                                                             \
             for (int t = 0; t < QUAD; t++) {                                                           \
                 const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t))); \
                 const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rec + 32 * t + 16))); \
@@ -519,6 +530,7 @@ static void tile_q8_##RT(const job_t *j, int64_t r0, int64_t quad) {            
                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 16)))));       \
                 }                                                                                      \
             }                                                                                          \
+        }                                                                                              \
         for (int r = 0; r < RT; r++)                                                                   \
             for (int t = 0; t < QUAD; t++) {                                                           \
                 int32_t lanes[8];                                                                      \
@@ -619,6 +631,7 @@ static void tile_bf16dot_##RT(const job_t *j, int64_t r0, int64_t quad) {       
     const uint8_t *rec = record(&j->w, quad, 0);                                                       \
     for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                           \
         __m512bh w[4];                                                                                 \
+        PREFETCH(rec);                                                                                 \
         unpack_bf16(rec, w);                                                                           \
         __m512 d, m;                                                                                   \
         spread_bf16dot(rec + 64, &d, &m);                                                              \
@@ -719,7 +732,7 @@ static void tile_f32_##RT(const job_t *j, int64_t r0, int64_t quad, const __m256
     const uint8_t *rec = record(&j->w, quad, 0);                                                       \
     for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                           \
         float d[QUAD], m[QUAD];                                                                        \
-        if (!buf) scales_f32(rec, d, m);                                                               \
+        if (!buf) PREFETCH(rec), scales_f32(rec, d, m);                                                \
         for (int t = 0; t < QUAD; t++) {                                                               \
             __m256 w[4];                                                                               \
             if (buf) for (int k = 0; k < 4; k++) w[k] = buf[(b * QUAD + t) * 4 + k];                   \
@@ -767,6 +780,7 @@ static int quads_f32(const job_t *j, int64_t q_begin, int64_t q_end) {
             const uint8_t *rec = record(&j->w, q, 0);
             for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {
                 float d[QUAD], m[QUAD];
+                PREFETCH(rec);
                 scales_f32(rec, d, m);
                 for (int t = 0; t < QUAD; t++) dequant_f32(rec, t, d + t, m + t, buf + (b * QUAD + t) * 4);
             }
