@@ -381,6 +381,9 @@ def sampling_violations(s, vocab_size: int) -> list[str]:
     logprobs = s.DESCRIPTOR.fields_by_name.get("logprobs")
     if logprobs is not None and logprobs.type == logprobs.TYPE_UINT32 and has("logprobs"):
         check("logprobs", s.logprobs <= 20)  # internal: alternatives per token, 0-20 (public: a bool)
+    if "top_logprobs" in s.DESCRIPTOR.fields_by_name and has("top_logprobs"):
+        # public: "Range 0 to 20; needs logprobs": present, even as 0, it asks for logprobs (as vLLM reads it)
+        check("top_logprobs", 0 <= s.top_logprobs <= 20 and s.logprobs)
     return bad
 
 
