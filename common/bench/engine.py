@@ -477,7 +477,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
     max_tokens = warmup + steps + 8  # nobody finishes while measured
     targets = {1: 2.0, 32: 1.5}
     engine_tok_s_1 = None
-    gbs_in_turn, pass_s = 0.0, []  # the bandwidth passes taken in turn with the 1-stream steps
+    pass_s: list[float] = []  # the bandwidth passes' seconds, taken in turn with the 1-stream steps
     first_seq_tokens: dict[int, list[int]] = {}  # batch size -> the engine's greedy tokens of sequence 0
     for bsz in batches:
         log(f"decode {bsz} seq: prefilling {bsz} x {CHAT_PROMPT_LEN} tokens in each system")
@@ -492,7 +492,6 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         tok_s, best = step_in_turn(loops, bsz, steps, warmup, times)
         if bsz == 1:
             pass_s = times[BandwidthPasses.name]
-            gbs_in_turn = bandwidth.num_bytes / statistics.median(pass_s) / 1e9
             for d in (tok_s, best):
                 del d[BandwidthPasses.name]
         log(f"decode {bsz} seq: " + ", ".join(f"{name} {x:.1f}" for name, x in tok_s.items()) + " tok/s (median step)")
@@ -539,6 +538,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
          tensor_bytes=bandwidth.num_bytes)
     if engine_tok_s_1 is None:
         return
+    gbs_in_turn = bandwidth.num_bytes / statistics.median(pass_s) / 1e9
     emit("memory_read_bandwidth_in_turn", gbs_in_turn, "GB/s (median pass, one pass a round of the 1-stream "
          "decode rotation)", passes=len(pass_s), best_pass_gbs=gbs)
     model = ours.model

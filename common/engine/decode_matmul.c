@@ -80,7 +80,7 @@ typedef struct {
     weight_t w;
     const int16_t *xq; /* [rows, in]: x / sx, rounded */
     const float *sx;   /* [rows, in / 32]; q8: [rows] */
-    const float *sumx; /* [rows, in / 32]: the exact fp32 sum of each block of x (bf16 dot: 4 lanes a block) */
+    const float *sumx; /* [rows, in / 32]: the exact fp32 sum of each block of x (bf16 dot: BF16DOT_SUMS a block) */
     const uint16_t *xb; /* q4 by the bf16 dot: [rows, in], x in bf16 */
     const float *xf;    /* q4 in fp32: [rows, in] */
     int64_t rows;
@@ -732,7 +732,10 @@ static void tile_f32_##RT(const job_t *j, int64_t r0, int64_t quad, const __m256
     const uint8_t *rec = record(&j->w, quad, 0);                                                       \
     for (int64_t b = 0; b < blocks; b++, rec += Q4_RECORD) {                                           \
         float d[QUAD], m[QUAD];                                                                        \
-        if (!buf) PREFETCH(rec), scales_f32(rec, d, m);                                                \
+        if (!buf) {                                                                                    \
+            PREFETCH(rec);                                                                             \
+            scales_f32(rec, d, m);                                                                     \
+        }                                                                                              \
         for (int t = 0; t < QUAD; t++) {                                                               \
             __m256 w[4];                                                                               \
             if (buf) for (int k = 0; k < 4; k++) w[k] = buf[(b * QUAD + t) * 4 + k];                   \
