@@ -24,6 +24,15 @@ log = logging.getLogger(__name__)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
+async def get_before(queue: asyncio.Queue, deadline: float):
+    """queue.get(), given up at `deadline` (time.monotonic()) with TimeoutError. Being cancelled always
+    raises CancelledError and leaves the item queued, even when one arrives in the same turn of the loop:
+    asyncio.wait_for on Python 3.11 returns that item and drops the cancellation, so a client that left
+    mid-stream had its request decoded to the end (about one cancel in ten at 200 tokens/s)."""
+    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+        return await queue.get()
+
+
 class SessionError(grpc.RpcError):
     """A request's failure on a session, shaped like the RpcError a Decode call would raise."""
 
@@ -60,8 +69,8 @@ class SessionCall:
         if self._error is not None:
             raise self._error
         try:
-            item = await asyncio.wait_for(self.events.get(), timeout=max(0.0, self.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            item = await get_before(self.events, self.deadline)
+        except TimeoutError:
             self.cancel()
             item = SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         if isinstance(item, SessionError):

@@ -153,21 +153,25 @@ def test_twenty_concurrent_mixed_requests(cluster, stub):
 
 
 def test_client_cancel_frees_kv_and_lease(cluster, stub):
-    rid = f"cancel-{time.monotonic_ns()}"
-    call = stub.Generate(handoff_pb2.GenerateRequest(prompt="Count to one thousand:", max_tokens=400,
-                                                     temperature=0.0, ignore_eos=True, request_id=rid),
-                         timeout=120)
-    got = 0
-    for msg in call:
-        got += len(msg.token_ids)
-        if got >= 5:
-            call.cancel()
-            break
-    deadline = time.monotonic() + 10
-    while cluster.state.get_request(rid)["state"] != RequestState.CANCELLED:
-        assert time.monotonic() < deadline, f"record stayed {cluster.state.get_request(rid)['state']}"
-        time.sleep(0.05)
-    wait_idle(cluster)
+    # Many times: a cancel that lands as a token arrives was once dropped (about one in ten), and the
+    # request then decoded to the end for nobody.
+    for attempt in range(12):
+        rid = f"cancel-{attempt}-{time.monotonic_ns()}"
+        call = stub.Generate(handoff_pb2.GenerateRequest(prompt="Count to one thousand:", max_tokens=400,
+                                                         temperature=0.0, ignore_eos=True, request_id=rid),
+                             timeout=120)
+        got = 0
+        for msg in call:
+            got += len(msg.token_ids)
+            if got >= 5:
+                call.cancel()
+                break
+        deadline = time.monotonic() + 10
+        while (record := cluster.state.get_request(rid))["state"] != RequestState.CANCELLED:
+            assert time.monotonic() < deadline, f"attempt {attempt}: record stayed {record['state']}"
+            time.sleep(0.05)
+        assert int(record["completion_tokens"]) < 400
+        wait_idle(cluster)
 
 
 @pytest.mark.parametrize("fields, names", [

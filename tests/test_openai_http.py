@@ -336,20 +336,23 @@ def test_duplicate_request_id_is_409(client):
 
 
 def test_client_leaving_mid_stream_cancels_and_frees_kv(cluster, client):
-    rid = f"gone-{time.monotonic_ns()}"
-    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=400, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True},
-                                            extra_headers={"X-Request-Id": rid})
-    got = 0
-    for chunk in stream:
-        got += 1
-        if got == 5:
-            break
-    assert cluster.state.get_request(rid)["state"] == RequestState.DECODING
-    stream.close()
-    record = wait_state(cluster, rid, RequestState.CANCELLED)
-    assert 5 <= int(record["completion_tokens"]) < 400
-    wait_idle(cluster)
+    # Many times: a cancel that lands as a token arrives was once dropped (about one in ten), and the
+    # request then decoded to the end for nobody.
+    for attempt in range(12):
+        rid = f"gone-{attempt}-{time.monotonic_ns()}"
+        stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=400, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True},
+                                                extra_headers={"X-Request-Id": rid})
+        got = 0
+        for chunk in stream:
+            got += 1
+            if got == 5:
+                break
+        assert cluster.state.get_request(rid)["state"] == RequestState.DECODING
+        stream.close()
+        record = wait_state(cluster, rid, RequestState.CANCELLED)
+        assert 5 <= int(record["completion_tokens"]) < 400
+        wait_idle(cluster)
 
 
 def test_client_timing_out_on_a_whole_answer_cancels_it(cluster, client):

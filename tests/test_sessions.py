@@ -6,6 +6,7 @@ requests held, and the decode worker does no text work (the router matches stop 
 """
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from common.engine.sampling import SamplingParams
 from common.wire import sampling_to_pb
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.cluster import Cluster
+from router.sessions import get_before
 from tests.conftest import wait_idle
 
 
@@ -154,3 +156,39 @@ def test_ending_the_session_frees_what_its_requests_held(cluster):
     for r in (rid, waiting):
         cluster.state.release(d.config.worker_id, r)
     wait_idle(cluster)
+
+
+# --------------------------------------------------------------------------- a request's read of its events
+
+
+def test_a_read_cancelled_as_its_event_arrives_is_cancelled_and_keeps_the_event():
+    """The race that let a client that left mid-stream have its request decoded to the end: the event
+    lands and the request is cancelled in the same turn of the loop (asyncio.wait_for on Python 3.11
+    returned the event and dropped the cancellation)."""
+    async def scenario():
+        events = asyncio.Queue()
+        reader = asyncio.create_task(get_before(events, time.monotonic() + 60))
+        await asyncio.sleep(0)  # the reader waits for its next event
+        events.put_nowait("token")
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        return events.get_nowait()
+
+    assert asyncio.run(scenario()) == "token"
+
+
+def test_a_read_past_its_deadline_times_out_and_one_in_time_gets_its_event():
+    async def scenario():
+        events = asyncio.Queue()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await get_before(events, t0 + 0.05)
+        waited = time.monotonic() - t0
+        with pytest.raises(TimeoutError):
+            await get_before(events, t0 - 1)  # already past: at once
+        asyncio.get_running_loop().call_later(0.01, events.put_nowait, "token")
+        return waited, await get_before(events, time.monotonic() + 60)
+
+    waited, got = asyncio.run(scenario())
+    assert 0.04 <= waited < 5 and got == "token"
