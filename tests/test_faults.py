@@ -10,6 +10,7 @@ prefill workers.
 """
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -282,14 +283,38 @@ def test_requests_that_end_at_their_first_token_push_no_kv(procs, reference):
     assert not any(left.values()), left
 
 
-def test_leases_are_held_from_reservation_to_the_end(procs):
+def test_leases_are_held_from_reservation_to_the_end(tmp_path):
     """Requests queued behind long prompts on the one prefill worker wait longer than the lease TTL
     before they decode; their leases must stay in Redis the whole time (else Redis could promise the
     same blocks twice) and go when they end."""
+    # Its own cluster with 0.1 GiB of KV a decode worker (the module's has 0.05): room to queue enough long
+    # prompts that the last waits past the TTL however fast this host prefills.
+    procs = ProcCluster(tmp_path, num_prefill=1, num_decode=2, kv_memory_gib=0.1).start()
+    try:
+        _check_leases_held(procs)
+    finally:
+        procs.stop()
+
+
+def _check_leases_held(procs: ProcCluster) -> None:
     words = "and then it walked on through the long grass while the sun went down "
-    # Long enough that the last waits past the TTL on a fast host too (bf16 AMX prefills ~2,000 tok/s).
-    specs = [Spec(f"greedy-{a}", f"The story of a {a} who " + words * 40, "greedy", max_tokens=4)
-             for a in ("cat", "dog", "fox", "owl", "bee", "cow")]
+
+    def story(i: int) -> str:  # distinct from its first block on, so that no prompt hits another's cached KV
+        return f"The story of animal number {i} who " + words * 40
+
+    # How long one such prompt holds the one prefill worker on this host, from its request record: queue
+    # enough of them that the last waits twice the TTL (a fixed six waited 3.95 s of a 4 s TTL on a fast
+    # EPYC), as many as the decode workers can reserve at once.
+    probe = run_one(procs.router_address, Spec("greedy-probe", story(0), "greedy", max_tokens=4),
+                    f"lease-probe-{time.monotonic_ns()}")
+    assert probe.completed, probe.error
+    record = procs.state.get_request(probe.rid)
+    prefill_s, prompt_tokens = float(record["prefill_s"]), int(record["prompt_tokens"])
+    workers = [procs.state.get_worker(n) for n in ("decode-0", "decode-1")]
+    blocks_each = -(-(prompt_tokens + 4) // workers[0].block_size)
+    fit = sum(w.total_blocks // blocks_each for w in workers)
+    count = min(fit, max(6, math.ceil(2 * LEASE_TTL_S / prefill_s) + 1))
+    specs = [Spec(f"greedy-lease{i}", story(i), "greedy", max_tokens=4) for i in range(1, count + 1)]
     threads, results = run_many(procs.router_address, specs, "lease")
     first_seen: dict[str, float] = {}
     gaps: dict[str, list[float]] = {}  # rid -> times its lease was missing while it was in flight
@@ -312,12 +337,15 @@ def test_leases_are_held_from_reservation_to_the_end(procs):
     left = settle_and_measure(procs)
     longest_wait = max(decoding_at.get(rid, time.monotonic()) - t0 for rid, t0 in first_seen.items())
     report(fault="waits longer than the lease TTL", topology=TOPOLOGY, requests=len(results),
-           completed=sum(r.completed for r in results), lease_ttl_s=LEASE_TTL_S,
-           longest_wait_before_decode_s=round(longest_wait, 3), requests_that_lost_their_lease=len(gaps),
-           leases_left=left["leases"], leaked_blocks=left["blocks_used"])
+           completed=sum(r.completed for r in results), lease_ttl_s=LEASE_TTL_S, prompt_tokens=prompt_tokens,
+           prefill_s=round(prefill_s, 3), longest_wait_before_decode_s=round(longest_wait, 3),
+           requests_that_lost_their_lease=len(gaps), leases_left=left["leases"], leaked_blocks=left["blocks_used"])
     assert len(first_seen) == len(specs)
     # The check means something only if some request waited longer than its lease lives.
-    assert longest_wait > LEASE_TTL_S, f"no request waited longer than the lease TTL ({longest_wait:.1f} s)"
+    assert longest_wait > LEASE_TTL_S, (
+        f"no request waited longer than the lease TTL ({longest_wait:.1f} s of {LEASE_TTL_S} s) with {count} "
+        f"prompts of {prompt_tokens} tokens queued ({prefill_s:.2f} s of prefill each; {fit} fit the decode "
+        "pools): on a host this fast, give the test's cluster more KV (kv_memory_gib)")
     assert not gaps, f"leases missing while their requests were in flight: {gaps}"
     for r in results:
         assert r.completed, (r.rid, r.error)
