@@ -14,6 +14,14 @@ ARGS ?=
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF \
 	-DLLAVA_BUILD=OFF
+# Without its AMX kernels: on the Intel VM with AMX (amx_tile, amx_int8) this version's AMX matmul
+# faulted at its first prompt (general protection fault at ldtilecfg in ggml_backend_amx_mul_mat,
+# llama.cpp issue 20824) and took the benchmark's process with it. GCC lets an explicit -mno-* win over
+# -march=native whatever their order; on a CPU without AMX the flags change nothing.
+ifeq ($(shell uname -m),x86_64)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS += '-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)'
+endif
 
 .PHONY: run test bench bench-load bench-peers protos clean venv
 
@@ -40,7 +48,7 @@ test: protos
 bench: protos
 	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)" || \
 		echo "make bench: llama-cpp-python is not installed, so the llama.cpp peer figures are skipped;" \
-		"\`make bench-peers\` installs it (compiles llama.cpp, 5-7 minutes on 2 cores)"
+		"\`make bench-peers\` installs it (compiles llama.cpp, 3-7 minutes on 2 cores)"
 	$(PY) -m common.bench.engine $(ARGS)
 	$(PY) -m router.bench $(ARGS)
 	$(MAKE) --no-print-directory bench-load
@@ -50,7 +58,9 @@ bench: protos
 bench-load: protos
 	$(PY) -m router.loadgen $(ARGS)
 
+# Uninstalled first, so that a build from before a change of flags (or another host's) is replaced.
 bench-peers: $(STAMP)
+	$(PY) -m pip uninstall -q -y llama-cpp-python
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir $(LLAMA_CPP_PYTHON)
 
 clean:

@@ -3,6 +3,7 @@ out and how to get them; with it, a tiny run emits those figures against the sam
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,27 @@ def test_skip_line_names_the_figures_and_how_to_get_them(monkeypatch, capsys):
     assert "make bench-peers" in rec["how"] and "make bench-peers" in err
 
 
+AMX_BUILD = "CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | OPENMP = 1 | "
+PLAIN_BUILD = AMX_BUILD.replace("AMX_INT8 = 1 | ", "")
+
+
+def test_a_build_with_amx_kernels_is_refused_on_a_cpu_with_amx():
+    """Its AMX matmul crashed the benchmark's process on the Intel VM; elsewhere those kernels never run."""
+    amx_cpu = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
+    why = llamacpp.amx_reason(AMX_BUILD, amx_cpu)
+    assert why is not None and "AMX kernels" in why and "20824" in why
+    assert llamacpp.amx_reason(PLAIN_BUILD, amx_cpu) is None
+    assert llamacpp.amx_reason(AMX_BUILD, amx_cpu - {"amx_tile", "amx_int8", "amx_bf16"}) is None
+
+
+def test_the_skip_line_for_a_refused_build_says_to_rebuild(monkeypatch, capsys):
+    monkeypatch.setattr(llamacpp, "missing_reason",
+                        lambda: llamacpp.amx_reason(AMX_BUILD, frozenset({"amx_tile"})))
+    assert engine.load_llama_cpp(["decode_tok_s_1seq_vs_llama_cpp"], threads=2, n_ctx=512) is None
+    [rec] = json_lines(capsys.readouterr().out)
+    assert "AMX kernels" in rec["skipped"] and "rebuilds it" in rec["how"]
+
+
 def test_the_long_context_figure_is_listed_only_where_it_runs():
     assert engine.llama_cpp_figures({"decode"}, {128: 5}, [1, 8], long_context=1024) == [
         "decode_tok_s_1seq_vs_llama_cpp", "decode_tok_s_1seq_ctx1024_vs_llama_cpp"]
@@ -61,6 +83,11 @@ def test_no_llama_cpp_line_when_the_sections_need_no_peer(capsys):
 def test_make_installs_a_pinned_llama_cpp_outside_the_requirements():
     dry = subprocess.run(["make", "-n", "bench-peers"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "pip install" in dry and "llama-cpp-python==0.3." in dry and "-DGGML_NATIVE=ON" in dry
+    # An earlier build goes first, and on x86-64 the new one leaves out the AMX kernels that crashed.
+    assert dry.index("pip uninstall -q -y llama-cpp-python") < dry.index("pip install")
+    if platform.machine() == "x86_64":
+        for flags in ("CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS"):
+            assert f"'-D{flags}=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" in dry
     for req in ROOT.glob("requirements*.txt"):
         assert "llama" not in req.read_text().lower(), req
 

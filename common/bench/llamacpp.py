@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 NAME = "llama.cpp"
-HOW_TO_GET = ("`make bench-peers` installs llama-cpp-python into .venv "
-              "(it compiles llama.cpp, 5-7 minutes on 2 cores)")
+HOW_TO_GET = ("`make bench-peers` installs llama-cpp-python into .venv, or rebuilds it there "
+              "(it compiles llama.cpp, without its AMX kernels, 3-7 minutes on 2 cores)")
 
 
 def missing_reason() -> str | None:
@@ -23,6 +23,18 @@ def missing_reason() -> str | None:
         import llama_cpp  # noqa: F401  (loads the compiled library too)
     except (ImportError, OSError) as e:
         return f"llama_cpp is not importable ({type(e).__name__}: {e})"
+    from common.engine.hardware import cpu_flags
+    return amx_reason(llama_cpp.llama_print_system_info().decode(errors="replace"), cpu_flags())
+
+
+def amx_reason(system_info: str, flags: frozenset[str]) -> str | None:
+    """Why a llama.cpp build must not run here, or None: one built with its AMX kernels (its system info
+    says AMX_INT8 = 1) on a CPU that has AMX. On the Intel VM with AMX, llama-cpp-python 0.3.36's AMX
+    matmul faulted at the first prompt (general protection fault at ldtilecfg in ggml_backend_amx_mul_mat,
+    llama.cpp issue 20824) and took the whole benchmark down; `make bench-peers` builds it without them."""
+    if "amx_tile" in flags and "AMX_INT8 = 1" in system_info:
+        return ("this llama.cpp build has its AMX kernels, which crash on this CPU (a general protection "
+                "fault in ggml_backend_amx_mul_mat, llama.cpp issue 20824)")
     return None
 
 
