@@ -156,7 +156,7 @@ def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
     """A non-finite activation must not be quantized away into a plausible number: the row's outputs are
     NaN (the integer kernel: its block scale is NaN) or not finite (the float kernels: inf times a
     weight, or NaN), as a float product's would be; the other rows keep their bits."""
-    k = _bf16dot_kernels() if kernel == "bf16dot" else native_kernels()
+    k = _kernels_for(kernel)
     codes, d, m, _ = _q4_weight(40, 576, seed=6)
     packed = native.pack_q4(codes, d, m)
     x = torch.randn(3, 576)
@@ -186,8 +186,8 @@ def test_bad_arguments_are_refused_with_a_reason():
 def test_other_builds_compute_the_same_bits(tmp_path, march):
     """A build without AVX2 (the plain C loops, for other CPUs) and the image's portable AVX2 build sum in
     the same order as this host's native one: a worker's tokens do not depend on which build it runs. The
-    portable build carries the bf16 dot kernel too and runs it where the CPU has AVX512_BF16, with the
-    native build's bits."""
+    portable build carries the bf16 dot and AMX kernels too and runs them where the CPU has AVX512_BF16 (and
+    AMX_BF16), with the native build's bits."""
     k = native_kernels()
     other = other_build(tmp_path, march)
     codes, d, m, _ = _q4_weight(36, 576, seed=7)
@@ -204,6 +204,11 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
             x = (torch.randn(rows, 576) * 2).to(dtype)
             assert torch.equal(other.q4_matmul(x, packed, 36, "f32"), k.q4_matmul(x, packed, 36, "f32")), (rows, dtype)
     assert other.has_bf16dot == (k.has_bf16dot and march == "x86-64-v3")
+    assert other.has_amx == (k.has_amx and march == "x86-64-v3")
+    if other.has_amx:
+        for rows in (1, 17):
+            x = (torch.randn(rows, 576) * 2).to(torch.bfloat16)
+            assert torch.equal(other.q4_matmul(x, packed, 36, kernel="amx"), k.q4_matmul(x, packed, 36, kernel="amx"))
     if other.has_bf16dot:
         for rows in (3, 13):  # tiles of 3; of 8, 4 and 1
             for dtype in (torch.float32, torch.bfloat16):
@@ -214,14 +219,14 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
 
 @pytest.mark.parametrize("dtype,matmuls", [(torch.float32, "int"), (torch.bfloat16, "int"),
                                            (torch.bfloat16, "bf16dot"), (torch.float32, "f32"),
-                                           (torch.bfloat16, "f32")],
-                         ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32"])
+                                           (torch.bfloat16, "f32"), (torch.bfloat16, "amx")],
+                         ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32", "bf16-amx"])
 def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype, matmuls):
     """decode_layers.c runs every layer of a decode step in one call; the model's per-op path (one native
     call per kernel from Python) computes the same hidden states, logits and cache writes."""
     from common.engine.runner import DecodeItem, PrefillItem
 
-    (_bf16dot_kernels if matmuls == "bf16dot" else native_kernels)()
+    _kernels_for(matmuls)
     runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True, native_matmuls=matmuls)
     model = runner.model
     assert model.matmuls == matmuls
@@ -251,17 +256,31 @@ def _bf16dot_kernels() -> native.DecodeKernels:
     return k
 
 
+def _amx_kernels() -> native.DecodeKernels:
+    k = native_kernels()
+    if not k.has_amx:
+        pytest.skip("this build or host has no AMX kernel (the CPU has no AMX_BF16, or the OS did not grant it)")
+    return k
+
+
+def _kernels_for(kernel: str) -> native.DecodeKernels:
+    return {"bf16dot": _bf16dot_kernels, "amx": _amx_kernels}.get(kernel, native_kernels)()
+
+
+@pytest.mark.parametrize("kernel", ["bf16dot", "amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_q4_by_the_bf16_dot_is_the_files_exact_weights_times_x_in_bf16(dtype):
+def test_q4_by_the_bf16_dot_is_the_files_exact_weights_times_x_in_bf16(dtype, kernel):
     """The bf16 dot kernel multiplies the file's codes as integers (128 + q, exact in bf16) with each
     activation rounded to bf16 (2^-9 of it at most), sums in fp32 from -128 * (the sum of x), then scales by
     d and adds m * (the sum of x): within 2^-8 of sum |x| |w| of the exact product, the same bits for an fp32
     x as for that x rounded to bf16 first, and for that rounded x within fp32 sum error of the exact weights
-    (no weight is rounded: 2^-12 of sum_b (d_b + |m_b|) sum |x_b| covers the sums' cancellation of 128 x)."""
-    k = _bf16dot_kernels()
+    (no weight is rounded: 2^-12 of sum_b (d_b + |m_b|) sum |x_b| covers the sums' cancellation of 128 x).
+    The AMX kernel makes the same products by the tile unit, one fp32 sum a block where the bf16 dot kernel
+    keeps 4: the same bounds hold for it."""
+    k = _kernels_for(kernel)
     codes, d, m, dense = _q4_weight(102, 576)
     packed, _, x = _q4_case(dtype)
-    y = k.q4_matmul(x, packed, 102, kernel="bf16dot")
+    y = k.q4_matmul(x, packed, 102, kernel=kernel)
     assert y.shape == (7, 102) and y.dtype == dtype
     exact = x.double().numpy() @ dense.T
     scale = np.abs(x.double().numpy()) @ np.abs(dense).T
@@ -269,7 +288,7 @@ def test_q4_by_the_bf16_dot_is_the_files_exact_weights_times_x_in_bf16(dtype):
     err = np.abs(y.double().numpy() - exact)
     assert (err <= bound).all(), f"worst error {err.max():.3g} against its bound {bound.flat[err.argmax()]:.3g}"
     if dtype == torch.float32:
-        assert torch.equal(y, k.q4_matmul(x.to(torch.bfloat16).float(), packed, 102, kernel="bf16dot"))
+        assert torch.equal(y, k.q4_matmul(x.to(torch.bfloat16).float(), packed, 102, kernel=kernel))
         x_bf16 = x.to(torch.bfloat16).double().numpy()
         x_blocks = np.abs(x_bf16).reshape(x.shape[0], -1, GROUP).sum(-1)  # [rows, blocks]
         sums_bound = 2.0 ** -12 * x_blocks @ (d + np.abs(m)).T.astype(np.float64) + 1e-6
@@ -277,7 +296,7 @@ def test_q4_by_the_bf16_dot_is_the_files_exact_weights_times_x_in_bf16(dtype):
         assert (err <= sums_bound).all(), f"worst {err.max():.3g} against {sums_bound.flat[err.argmax()]:.3g}"
         assert np.median(err / scale) < 1e-7  # the weights are not rounded (dequantized to bf16: ~1e-4)
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        k.q4_matmul(torch.randn(2, 48), packed, 8, kernel="bf16dot")
+        k.q4_matmul(torch.randn(2, 48), packed, 8, kernel=kernel)
 
 
 def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads():
@@ -289,6 +308,37 @@ def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(32, 1536, generator=gen) * 3).to(torch.bfloat16)
     _assert_rows_batch_invariant({"q4 bf16dot": lambda x: k.q4_matmul(x, packed, 200, kernel="bf16dot")}, rows, gen)
+
+
+def test_q4_by_amx_tiles_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads():
+    """Invariant 4 for the AMX kernel: rows go in tiles of 16 and a last tile of what is left (17 rows: 16
+    and 1), every tile against the same unpacked block; in any of them, and on 1 or 2 threads, a row gets
+    its bits alone. 200 outputs: 12 groups of 16 and one of 8 (two quads, the others zero)."""
+    k = _amx_kernels()
+    codes, d, m, _ = _q4_weight(200, 1536, seed=3)
+    packed = native.pack_q4(codes, d, m)
+    gen = torch.Generator().manual_seed(4)
+    rows = (torch.randn(40, 1536, generator=gen) * 3).to(torch.bfloat16)
+    f = lambda x: k.q4_matmul(x, packed, 200, kernel="amx")  # noqa: E731
+    _assert_rows_batch_invariant({"q4 amx": f}, rows, gen)
+    alone = torch.cat([f(rows[i:i + 1]) for i in range(len(rows))])
+    for bsz in (16, 17, 33, 40):
+        assert torch.equal(f(rows[:bsz]), alone[:bsz]), bsz
+
+
+def test_q4_by_amx_tiles_is_unchanged_by_torchs_own_amx_work_between_calls():
+    """torch's bf16 GEMMs (oneDNN) run AMX on the same OpenMP threads and load their own tile configurations;
+    each call loads ours again (llama.cpp kept one a thread and crashed here: docs/benchmarks.md)."""
+    k = _amx_kernels()
+    codes, d, m, _ = _q4_weight(64, 576, seed=9)
+    packed = native.pack_q4(codes, d, m)
+    x = (torch.randn(5, 576) * 2).to(torch.bfloat16)
+    first = k.q4_matmul(x, packed, 64, kernel="amx")
+    a, b = torch.randn(48, 1024, dtype=torch.bfloat16), torch.randn(1024, 96, dtype=torch.bfloat16)
+    for _ in range(3):
+        (a @ b).sum()
+        assert torch.equal(k.q4_matmul(x, packed, 64, kernel="amx"), first)
+        assert torch.equal(k.q4_matmul(x[2:3], packed, 64, kernel="amx"), first[2:3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

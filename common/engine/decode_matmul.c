@@ -26,7 +26,8 @@
  * faster at 32. The fp32 kernel (any AVX2 CPU) dequantizes a block once for every row of a batch, so a
  * row costs about the products alone, where the integer kernel pays its products and the per-block
  * scaling again for every row; at one row the integer kernel is the cheaper of those two
- * (native.matmuls_mode picks per CPU).
+ * (native.matmuls_mode picks per CPU). Last, the AMX kernel: the bf16 dot kernel's products by the tile
+ * unit, a block of 16 outputs by up to 16 rows an instruction.
  *
  * Invariant 4 (a row's result never depends on the other rows): a row is quantized alone, and every
  * (row, output) pair runs the same operations in the same order whatever the batch, the tiling or the
@@ -864,6 +865,211 @@ static int run(const job_t *j, int64_t threads) {
     return err;
 }
 
+/* q4 by AMX tiles (q4_matmul_amx, where the CPU has AMX_BF16 and the OS grants the tile state). The
+ * bf16 dot kernel's products by the tile unit: a block of 16 outputs (4 quads) by up to 16 rows is one
+ * tdpbf16ps, where the vector kernel takes 16 vdpbf16ps per row; so a batch costs little more than a row.
+ * The codes stay the file's (the same packed weights as every q4 kernel): per block, the 4 quads' code
+ * bytes are turned around into B [16 pairs, 16 outputs] of bf16 128 + q (pair i: inputs i and i + 16, a
+ * byte's two nibbles), and each row's x is laid out in the same pairs once a call. The tile unit sums a
+ * block's 32 products into one fp32 per (row, output), C; then per block, in order, acc += d * (C - 128 *
+ * sum(x_b)), acc += m * sum(x_b), all in fp32.
+ *
+ * Its own rounding (one fp32 sum a block, in the tile unit's order), not the bf16 dot kernel's (4 lanes a
+ * block): a model on this kernel is self-consistent but not bit-identical to one on another kernel, as
+ * two CPU families are not. Invariant 4 holds: a (row, output)'s C is the tile unit's dot product of that
+ * row's pairs with that output's, whatever the other rows of its tile, and the scaling is per row. */
+#if defined(MATMUL_AVX2) && defined(MATMUL_BF16DOT) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define MATMUL_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,amx-tile,amx-bf16")
+#define AMX_OUTPUTS 16                   /* a tile's outputs: 4 quads */
+#define AMX_QUADS (AMX_OUTPUTS / QUAD)
+#define AMX_ROWS 16                      /* a tile's rows */
+#define ARCH_REQ_XCOMP_PERM 0x1023       /* arch_prctl: ask for a dynamically enabled state component */
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* Tiles: two sets of A (x's rows of a block), B (16 outputs' codes of a block) and C (their products), for
+ * two blocks at a time: a tile unit's operations on one tile wait for each other (load B, multiply, store
+ * C, zero C again), so one set a block left a one-row matmul 1.9x slower than the bf16 dot kernel. `m` rows
+ * a tile: the batch up to 16, else 16 (x padded with zero rows to a multiple of 16). Loaded by every
+ * thread at the start of every call: torch's own AMX kernels (oneDNN) share these threads and load their
+ * own configurations between our calls. */
+static void amx_configure(int m) {
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int set = 0; set < 2; set++) {
+        c.rows[3 * set] = c.rows[3 * set + 1] = (uint8_t)m;
+        c.rows[3 * set + 2] = GROUP / 2;
+        c.colsb[3 * set] = AMX_OUTPUTS * 4;     /* C: fp32 */
+        c.colsb[3 * set + 1] = GROUP * 2;       /* A: bf16, a block's 16 pairs */
+        c.colsb[3 * set + 2] = AMX_OUTPUTS * 4; /* B: 16 outputs' bf16 pairs */
+    }
+    _tile_loadconfig(&c);
+}
+
+typedef struct {
+    __m512i stage1[2], stage2[2], spread[4], shift, nibbles, exp128;
+} amx_indices_t;
+
+static void amx_indices(amx_indices_t *ix) {
+    uint8_t a[2][64], b[2][64], sp[4][64];
+    /* stage 1, two quads (64 bytes each, output t's byte r at 16 t + r) -> pairs rows r (0-7 or 8-15) x their
+     * 8 outputs, at 8 r' + 4 Q + t */
+    for (int half = 0; half < 2; half++)
+        for (int r = 0; r < 8; r++)
+            for (int q = 0; q < 2; q++)
+                for (int t = 0; t < QUAD; t++) a[half][8 * r + 4 * q + t] = (uint8_t)(64 * q + 16 * t + 8 * half + r);
+    /* stage 2, quads 0-1 and 2-3 of stage 1 -> rows 4k + i (i < 4) x 16 outputs, at 16 i + n */
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 4; i++)
+            for (int n = 0; n < AMX_OUTPUTS; n++)
+                b[k][16 * i + n] = (uint8_t)(64 * (n / 8) + 8 * (4 * k + i) + n % 8);
+    /* a row's 16 bytes -> byte 0 and byte 2 of dword n */
+    for (int i = 0; i < 4; i++)
+        for (int n = 0; n < AMX_OUTPUTS; n++)
+            for (int e = 0; e < 4; e++) sp[i][4 * n + e] = (uint8_t)(16 * i + n);
+    for (int h = 0; h < 2; h++) ix->stage1[h] = _mm512_loadu_si512(a[h]), ix->stage2[h] = _mm512_loadu_si512(b[h]);
+    for (int i = 0; i < 4; i++) ix->spread[i] = _mm512_loadu_si512(sp[i]);
+    ix->shift = _mm512_set1_epi32(4 << 16);       /* word 0 as it is, word 1 shifted down a nibble */
+    ix->nibbles = _mm512_set1_epi32(0x000f000f);
+    ix->exp128 = _mm512_set1_epi32(0x43004300);    /* 128 + q in bf16 */
+}
+
+/* B [16 pairs, 16 outputs] of block b of the group starting at quad q0 (n quads of it real; the others
+ * zero): pair i of output n = (128 + low nibble, 128 + high nibble) of its code byte i. Its 16 d and 16 m. */
+static inline __attribute__((always_inline)) void amx_unpack(const job_t *j, const amx_indices_t *ix, int64_t q0,
+                                                             int n, int64_t b, uint32_t *bt, __m512 *d, __m512 *m) {
+    __m512i z[AMX_QUADS];
+    uint64_t dq[AMX_QUADS], mq[AMX_QUADS];
+    for (int q = 0; q < AMX_QUADS; q++) {
+        if (q < n) {
+            const uint8_t *rec = record(&j->w, q0 + q, b);
+            PREFETCH(rec);
+            z[q] = _mm512_loadu_si512(rec);
+            memcpy(&dq[q], rec + 64, 8);
+            memcpy(&mq[q], rec + 72, 8);
+        } else {
+            z[q] = _mm512_setzero_si512();
+            dq[q] = mq[q] = 0;
+        }
+    }
+    const __m512i t01lo = _mm512_permutex2var_epi8(z[0], ix->stage1[0], z[1]);
+    const __m512i t01hi = _mm512_permutex2var_epi8(z[0], ix->stage1[1], z[1]);
+    const __m512i t23lo = _mm512_permutex2var_epi8(z[2], ix->stage1[0], z[3]);
+    const __m512i t23hi = _mm512_permutex2var_epi8(z[2], ix->stage1[1], z[3]);
+    const __m512i rows4[4] = {_mm512_permutex2var_epi8(t01lo, ix->stage2[0], t23lo),
+                              _mm512_permutex2var_epi8(t01lo, ix->stage2[1], t23lo),
+                              _mm512_permutex2var_epi8(t01hi, ix->stage2[0], t23hi),
+                              _mm512_permutex2var_epi8(t01hi, ix->stage2[1], t23hi)};
+    for (int k = 0; k < 4; k++)
+        for (int i = 0; i < 4; i++) {
+            const __m512i v = _mm512_srlv_epi16(_mm512_permutexvar_epi8(ix->spread[i], rows4[k]), ix->shift);
+            _mm512_store_si512(bt + 16 * (4 * k + i), _mm512_ternarylogic_epi32(v, ix->nibbles, ix->exp128, 0xea));
+        }
+    *d = _mm512_cvtph_ps(_mm256_setr_epi64x((long long)dq[0], (long long)dq[1], (long long)dq[2], (long long)dq[3]));
+    *m = _mm512_cvtph_ps(_mm256_setr_epi64x((long long)mq[0], (long long)mq[1], (long long)mq[2], (long long)mq[3]));
+}
+
+/* One block's C of rows r0 .. r0 + count - 1 (in `c`, 16 floats a row) into their accumulators. */
+static inline __attribute__((always_inline)) void amx_scale(const job_t *j, int64_t r0, int count, int64_t b,
+                                                            const float *c, __m512 d, __m512 m, float *acc) {
+    const int64_t blocks = j->w.in / GROUP;
+    for (int r = 0; r < count; r++) {
+        const float s = j->sumx[(r0 + r) * blocks + b];
+        const __m512 t = _mm512_add_ps(_mm512_load_ps(c + AMX_OUTPUTS * r), _mm512_set1_ps(-128.0f * s));
+        __m512 a = _mm512_fmadd_ps(t, d, _mm512_load_ps(acc + AMX_OUTPUTS * (r0 + r)));
+        _mm512_store_ps(acc + AMX_OUTPUTS * (r0 + r), _mm512_fmadd_ps(_mm512_set1_ps(s), m, a));
+    }
+}
+
+/* x_rows: the rows of j->xb, a multiple of 16 where the batch is larger than 16 (the rest zero). */
+static int groups_amx(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
+    const int64_t in = j->w.in, blocks = in / GROUP, rows = j->rows;
+    const int m = (int)(x_rows < AMX_ROWS ? x_rows : AMX_ROWS);
+    float *acc = aligned_alloc(64, (size_t)(rows * AMX_OUTPUTS) * sizeof *acc);
+    if (!acc) return -ENOMEM;
+    __attribute__((aligned(64))) uint32_t bt[2][GROUP / 2 * AMX_OUTPUTS];
+    __attribute__((aligned(64))) float c[2][AMX_ROWS * AMX_OUTPUTS];
+    amx_indices_t ix;
+    amx_indices(&ix);
+    amx_configure(m);
+    const int64_t nq = quads(&j->w), x_stride = in * 2; /* bytes a row of the paired x */
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const int64_t q0 = g * AMX_QUADS;
+        const int n = (int)(nq - q0 < AMX_QUADS ? nq - q0 : AMX_QUADS);
+        memset(acc, 0, (size_t)(rows * AMX_OUTPUTS) * sizeof *acc);
+        for (int64_t b = 0; b < blocks; b += 2) {
+            const int two = b + 1 < blocks;
+            __m512 d[2], mm[2];
+            amx_unpack(j, &ix, q0, n, b, bt[0], &d[0], &mm[0]);
+            _tile_loadd(2, bt[0], AMX_OUTPUTS * 4);
+            if (two) {
+                amx_unpack(j, &ix, q0, n, b + 1, bt[1], &d[1], &mm[1]);
+                _tile_loadd(5, bt[1], AMX_OUTPUTS * 4);
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
+                const int count = (int)(rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS);
+                _tile_zero(0);
+                _tile_loadd(1, j->xb + r0 * in + b * GROUP, x_stride);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_stored(0, c[0], AMX_OUTPUTS * 4);
+                if (two) {
+                    _tile_zero(3);
+                    _tile_loadd(4, j->xb + r0 * in + (b + 1) * GROUP, x_stride);
+                    _tile_dpbf16ps(3, 4, 5);
+                    _tile_stored(3, c[1], AMX_OUTPUTS * 4);
+                }
+                amx_scale(j, r0, count, b, c[0], d[0], mm[0], acc);
+                if (two) amx_scale(j, r0, count, b + 1, c[1], d[1], mm[1], acc);
+            }
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int t = 0; t < AMX_OUTPUTS && q0 * QUAD + t < j->w.out; t++)
+                put_y(j, r, q0 * QUAD + t, acc[r * AMX_OUTPUTS + t]);
+    }
+    _tile_release();
+    free(acc);
+    return 0;
+}
+#pragma GCC pop_options
+
+/* AMX_BF16 and AMX_TILE (CPUID leaf 7: EDX bits 22, 24) and the kernel's leave to use the tile data
+ * (arch_prctl, Linux 5.16 and later; once a process, for all its threads), asked once. */
+static int amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        unsigned a, b, c, d;
+        ready = cpu_has_bf16dot() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1) &&
+                syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return ready;
+}
+
+static int run_amx(const job_t *j, int64_t x_rows, int64_t threads) {
+    const int64_t groups = (quads(&j->w) + AMX_QUADS - 1) / AMX_QUADS;
+    if (threads > groups) threads = groups;
+    if (threads <= 1) return groups_amx(j, x_rows, 0, groups);
+    int err = 0;
+#pragma omp parallel num_threads((int)threads) reduction(| : err)
+    {
+        int64_t begin, end;
+        part_range(omp_get_thread_num(), omp_get_num_threads(), 1, groups, &begin, &end);
+        if (begin < end) err |= groups_amx(j, x_rows, begin, end);
+    }
+    return err;
+}
+#endif
+
 /* ------------------------------------------------------------------------------------- entry points */
 
 static int matmul(weight_t w, const void *x, int x_bf16, int64_t x_stride, int64_t rows, void *y, int y_bf16,
@@ -977,4 +1183,44 @@ int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
     const int err = run(&j, threads);
     free(xf);
     return err;
+}
+
+/* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by AMX tiles (MATMUL_AMX above): x rounded to bf16 (to
+ * nearest even) where it is fp32. -ENOSYS where this build has no AMX kernel or the CPU or the OS does
+ * not offer AMX_BF16. */
+int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
+                  int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+#if defined(MATMUL_AMX) && defined(MATMUL_BF16DOT)
+    if (!amx_ready()) return -ENOSYS;
+    if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
+    if (!rows) return 0;
+    const int64_t blocks = in / GROUP, x_rows = rows <= AMX_ROWS ? rows : (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    uint16_t *xp = calloc((size_t)(x_rows * in), sizeof *xp); /* x in pairs (i, i + 16) a block; zero rows after */
+    float *sums = malloc((size_t)(rows * blocks) * sizeof *sums);
+    if (!xp || !sums) {
+        free(xp);
+        free(sums);
+        return -ENOMEM;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float s = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                const int64_t k = r * x_stride + b * GROUP + i;
+                const uint16_t v = x_bf16 ? ((const uint16_t *)x)[k] : f32_to_bf16(((const float *)x)[k]);
+                xp[r * in + b * GROUP + (i < GROUP / 2 ? 2 * i : 2 * (i - GROUP / 2) + 1)] = v;
+                s += bf16_to_f32(v);
+            }
+            sums[r * blocks + b] = s;
+        }
+    job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, NULL, sums, xp, NULL, rows, y, y_stride, y_bf16};
+    const int err = run_amx(&j, x_rows, threads);
+    free(xp);
+    free(sums);
+    return err;
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
+        (void)y_stride, (void)threads;
+    return -ENOSYS;
+#endif
 }

@@ -174,7 +174,7 @@ class Llama(torch.nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  int4: dict | None = None, native_matmuls: bool | str | None = None):
         """native_matmuls: how the packed weights are multiplied, one of native.MATMUL_MODES ("int":
-        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one;
+        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one; "amx": its AMX one;
         "torch": torch's int4 kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by
         default by the CPU); attention and the row-wise ops are native either way, where the library
         builds."""
@@ -206,6 +206,13 @@ class Llama(torch.nn.Module):
                 log.info("decode's packed-weight matmuls: %s", why)
         if mode not in native.MATMUL_MODES:
             raise ValueError(f"native_matmuls={native_matmuls!r}: use one of {native.MATMUL_MODES}, True or False")
+        if mode == "amx" and self.kernels is not None and not self.kernels.has_amx:
+            # A library or a kernel without it (GCC < 11, or Linux < 5.16, which cannot grant the tile state;
+            # or no AMX_BF16 under HANDOFF_NATIVE_MATMUL=amx): the bf16 dot kernel where it runs.
+            log.warning("decode's packed-weight matmuls: the native library cannot run its AMX kernel here "
+                        "(this CPU has no AMX_BF16, the kernel did not grant the tile state, or the library "
+                        "was built without the kernel); using the bf16 dot kernel instead")
+            mode = "bf16dot"
         if mode == "bf16dot" and self.kernels is not None and not self.kernels.has_bf16dot:
             # A library without it (a compiler other than GCC >= 10 on a host without AVX512_BF16, or a CPU
             # without it under HANDOFF_NATIVE_MATMUL=bf16): torch's int4 kernel has the same kind of

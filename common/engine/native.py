@@ -86,7 +86,7 @@ SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # decode_matmul.c: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is
 # bf16, y's row stride, threads
 # decode_matmul.c's kernels for the packed Q4 weights, in decode_layers.c's numbering (Q4_INDEX)
-Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_matmul_f32"}
+Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_matmul_f32", "amx": "q4_matmul_amx"}
 Q4_INDEX = {kernel: i for i, kernel in enumerate(Q4_KERNELS)}
 MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I] for name in Q4_KERNELS.values()},
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
@@ -220,6 +220,8 @@ class DecodeKernels:
         # The bf16 dot kernel runs where the CPU has AVX512_BF16 (a GCC build carries it for any AVX2
         # target, the portable one included); elsewhere it answers -ENOSYS.
         self.has_bf16dot = self._matmuls["q4_matmul_bf16dot"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
+        # The AMX kernel, where the CPU has AMX_BF16 and the OS grants the tile state (same kind of build).
+        self.has_amx = self._matmuls["q4_matmul_amx"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
 
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> bool:
@@ -364,7 +366,8 @@ MATMUL_MODES = ("torch", *Q4_KERNELS)
 def matmuls_mode() -> tuple[str, str]:
     """How decode's packed-weight matmuls run, and why (HANDOFF_NATIVE_MATMUL, else by the CPU): "torch"
     (torch's int4 kernel and torch._int_mm), or one of decode_matmul.c's kernels: "int" (integer
-    products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs). Raises
+    products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs), "amx" (AMX
+    tiles, CPUs with AMX_BF16). Raises
     ValueError on a value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
     if value in OFF:
@@ -375,11 +378,13 @@ def matmuls_mode() -> tuple[str, str]:
         return "bf16dot", f"decode_matmul.c, the bf16 dot instruction ({ENV_MATMUL}={value})"
     if value in ("f32", "fp32"):
         return "f32", f"decode_matmul.c, fp32 products ({ENV_MATMUL}={value})"
+    if value == "amx":
+        return "amx", f"decode_matmul.c, AMX tiles ({ENV_MATMUL}={value})"
     if value in ("", "auto"):
         return auto_matmuls()
     raise ValueError(f"{ENV_MATMUL}={value!r}: use 1 or int (decode_matmul.c, integer products), bf16 "
-                     "(decode_matmul.c, the bf16 dot instruction), f32 (decode_matmul.c, fp32 products), 0 "
-                     "(torch's int4 kernel) or auto")
+                     "(decode_matmul.c, the bf16 dot instruction), f32 (decode_matmul.c, fp32 products), amx "
+                     "(decode_matmul.c, AMX tiles), 0 (torch's int4 kernel) or auto")
 
 
 @functools.cache
