@@ -68,7 +68,7 @@
 #define PREFETCH_AHEAD 6144
 #define PREFETCH(rec) __builtin_prefetch((const char *)(rec) + PREFETCH_AHEAD, 0, 3)
 
-enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1, FORMAT_Q4_BF16DOT = 2, FORMAT_Q4_F32 = 3 };
+enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1, FORMAT_Q4_BF16DOT = 2, FORMAT_Q4_F32 = 3, FORMAT_Q4_AMX = 4 };
 
 typedef struct {
     int format;
@@ -883,13 +883,37 @@ static int run(const job_t *j, int64_t threads) {
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,amx-tile,amx-bf16")
 #define AMX_OUTPUTS 16                   /* a tile's outputs: 4 quads */
 #define AMX_QUADS (AMX_OUTPUTS / QUAD)
 #define AMX_ROWS 16                      /* a tile's rows */
 #define ARCH_REQ_XCOMP_PERM 0x1023       /* arch_prctl: ask for a dynamically enabled state component */
 #define XFEATURE_XTILEDATA 18
+
+/* The byte permutes' indices (amx_unpack), filled once when the library loads, by plain code: this runs on
+ * every CPU the library loads on, so it stays outside the AVX-512 target below. */
+static uint8_t amx_stage1[2][64], amx_stage2[2][64], amx_spread[4][64];
+
+__attribute__((constructor)) static void amx_tables(void) {
+    /* stage 1, two quads (64 bytes each, output t's byte r at 16 t + r) -> pairs rows r (0-7 or 8-15) x their
+     * 8 outputs, at 8 r' + 4 Q + t */
+    for (int half = 0; half < 2; half++)
+        for (int r = 0; r < 8; r++)
+            for (int q = 0; q < 2; q++)
+                for (int t = 0; t < QUAD; t++)
+                    amx_stage1[half][8 * r + 4 * q + t] = (uint8_t)(64 * q + 16 * t + 8 * half + r);
+    /* stage 2, quads 0-1 and 2-3 of stage 1 -> rows 4k + i (i < 4) x 16 outputs, at 16 i + n */
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 4; i++)
+            for (int n = 0; n < AMX_OUTPUTS; n++)
+                amx_stage2[k][16 * i + n] = (uint8_t)(64 * (n / 8) + 8 * (4 * k + i) + n % 8);
+    /* a row's 16 bytes -> byte 0 and byte 2 of dword n */
+    for (int i = 0; i < 4; i++)
+        for (int n = 0; n < AMX_OUTPUTS; n++)
+            for (int e = 0; e < 4; e++) amx_spread[i][4 * n + e] = (uint8_t)(16 * i + n);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,amx-tile,amx-bf16")
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -922,24 +946,9 @@ typedef struct {
 } amx_indices_t;
 
 static void amx_indices(amx_indices_t *ix) {
-    uint8_t a[2][64], b[2][64], sp[4][64];
-    /* stage 1, two quads (64 bytes each, output t's byte r at 16 t + r) -> pairs rows r (0-7 or 8-15) x their
-     * 8 outputs, at 8 r' + 4 Q + t */
-    for (int half = 0; half < 2; half++)
-        for (int r = 0; r < 8; r++)
-            for (int q = 0; q < 2; q++)
-                for (int t = 0; t < QUAD; t++) a[half][8 * r + 4 * q + t] = (uint8_t)(64 * q + 16 * t + 8 * half + r);
-    /* stage 2, quads 0-1 and 2-3 of stage 1 -> rows 4k + i (i < 4) x 16 outputs, at 16 i + n */
-    for (int k = 0; k < 2; k++)
-        for (int i = 0; i < 4; i++)
-            for (int n = 0; n < AMX_OUTPUTS; n++)
-                b[k][16 * i + n] = (uint8_t)(64 * (n / 8) + 8 * (4 * k + i) + n % 8);
-    /* a row's 16 bytes -> byte 0 and byte 2 of dword n */
-    for (int i = 0; i < 4; i++)
-        for (int n = 0; n < AMX_OUTPUTS; n++)
-            for (int e = 0; e < 4; e++) sp[i][4 * n + e] = (uint8_t)(16 * i + n);
-    for (int h = 0; h < 2; h++) ix->stage1[h] = _mm512_loadu_si512(a[h]), ix->stage2[h] = _mm512_loadu_si512(b[h]);
-    for (int i = 0; i < 4; i++) ix->spread[i] = _mm512_loadu_si512(sp[i]);
+    for (int h = 0; h < 2; h++)
+        ix->stage1[h] = _mm512_loadu_si512(amx_stage1[h]), ix->stage2[h] = _mm512_loadu_si512(amx_stage2[h]);
+    for (int i = 0; i < 4; i++) ix->spread[i] = _mm512_loadu_si512(amx_spread[i]);
     ix->shift = _mm512_set1_epi32(4 << 16);       /* word 0 as it is, word 1 shifted down a nibble */
     ix->nibbles = _mm512_set1_epi32(0x000f000f);
     ix->exp128 = _mm512_set1_epi32(0x43004300);    /* 128 + q in bf16 */
@@ -1190,7 +1199,7 @@ int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
  * not offer AMX_BF16. */
 int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-#if defined(MATMUL_AMX) && defined(MATMUL_BF16DOT)
+#ifdef MATMUL_AMX
     if (!amx_ready()) return -ENOSYS;
     if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
     if (!rows) return 0;
@@ -1213,7 +1222,7 @@ int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
             }
             sums[r * blocks + b] = s;
         }
-    job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, NULL, sums, xp, NULL, rows, y, y_stride, y_bf16};
+    job_t j = {{FORMAT_Q4_AMX, packed, NULL, out, in}, NULL, NULL, sums, xp, NULL, rows, y, y_stride, y_bf16};
     const int err = run_amx(&j, x_rows, threads);
     free(xp);
     free(sums);
