@@ -26,7 +26,8 @@ def test_auto_picks_bf16_only_with_native_bf16(flags, expected):
     ({"avx2", "avx512f", "avx512_vnni"}, "f32"),       # fp32 FMAs on a tile dequantized once
     ({"sse4_2"}, "int"),                               # the plain C loops
     ({"avx2", "avx512f", "avx512_bf16"}, "bf16dot"),   # the bf16 dot instruction: a tile dequantized once
-    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "amx"),  # a block of 16 outputs x 16 rows a tile op
+    ({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"}, "amx"),  # int8 digits
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bf16dot"),  # the digits need AMX_INT8 and VNNI
     ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "f32"),  # the bf16 dot kernel needs AVX512_BF16, not AMX
 ])
 def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, mode):
@@ -37,7 +38,7 @@ def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, mode):
     monkeypatch.delenv(native_lib.ENV_MATMUL, raising=False)
     assert native_lib.matmuls_mode()[0] == auto_matmuls()[0]
     for value, expected in (("1", "int"), ("on", "int"), ("int", "int"), ("bf16", "bf16dot"), ("f32", "f32"),
-                            ("amx", "amx"), ("0", "torch"), ("off", "torch"), ("auto", auto_matmuls()[0])):
+                            ("amx", "amx"), ("vnni", "vnni"), ("0", "torch"), ("off", "torch"), ("auto", auto_matmuls()[0])):
         monkeypatch.setenv(native_lib.ENV_MATMUL, value)
         assert native_lib.matmuls_mode()[0] == expected, value
     monkeypatch.setenv(native_lib.ENV_MATMUL, "fast")

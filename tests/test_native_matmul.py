@@ -17,6 +17,7 @@ from tests.conftest import native_kernels, other_build
 
 GROUP = 32
 XQ_MAX = 32767.0
+XD_MAX = 32639.0  # the int8 digit kernels: 127 * 256 + 127
 
 
 def _q4_weight(out_features: int, in_features: int, seed: int = 0):
@@ -42,11 +43,11 @@ def _q4_case(dtype: torch.dtype):
     return native.pack_q4(codes, d, m), dense, x
 
 
-def _quant_error_bound(x: torch.Tensor, dense: np.ndarray) -> np.ndarray:
-    """|y - x @ W^T| allowed per [row, output]: each block of a row is rounded to 1/32767 of its largest
+def _quant_error_bound(x: torch.Tensor, dense: np.ndarray, limit: float = XQ_MAX) -> np.ndarray:
+    """|y - x @ W^T| allowed per [row, output]: each block of a row is rounded to 1/limit of its largest
     |x| (half a step at most per element), plus fp32 accumulation slack."""
     xb = x.double().numpy().reshape(x.shape[0], -1, GROUP)
-    step = np.abs(xb).max(-1) / XQ_MAX  # [rows, blocks]
+    step = np.abs(xb).max(-1) / limit  # [rows, blocks]
     wb = np.abs(dense).reshape(dense.shape[0], -1, GROUP).sum(-1)  # [out, blocks]
     exact_scale = np.abs(x.double().numpy()) @ np.abs(dense).T
     return 0.5 * step @ wb.T + 1e-5 * exact_scale + 1e-6
@@ -151,10 +152,10 @@ def test_x_rows_of_a_wider_tensor_are_read_in_place():
     assert torch.equal(k.q4_matmul(wide[:, 100:676], packed, 64), k.q4_matmul(wide[:, 100:676].contiguous(), packed, 64))
 
 
-@pytest.mark.parametrize("kernel", list(native.Q4_KERNELS))
+@pytest.mark.parametrize("kernel", [*native.Q4_KERNELS, "amx_tiles"])
 def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
     """A non-finite activation must not be quantized away into a plausible number: the row's outputs are
-    NaN (the integer kernel: its block scale is NaN) or not finite (the float kernels: inf times a
+    NaN (the integer kernels: its block scale is NaN) or not finite (the float kernels: inf times a
     weight, or NaN), as a float product's would be; the other rows keep their bits."""
     k = _kernels_for(kernel)
     codes, d, m, _ = _q4_weight(40, 576, seed=6)
@@ -165,7 +166,8 @@ def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
         x_bad = x.clone()
         x_bad[1, 17] = bad
         y = k.q4_matmul(x_bad, packed, 40, kernel)
-        assert torch.isnan(y[1]).all() if kernel == "int" else not torch.isfinite(y[1]).any(), bad
+        integer = kernel in ("int", "vnni", "amx", "amx_tiles")
+        assert torch.isnan(y[1]).all() if integer else not torch.isfinite(y[1]).any(), bad
         assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
 
 
@@ -186,8 +188,8 @@ def test_bad_arguments_are_refused_with_a_reason():
 def test_other_builds_compute_the_same_bits(tmp_path, march):
     """A build without AVX2 (the plain C loops, for other CPUs) and the image's portable AVX2 build sum in
     the same order as this host's native one: a worker's tokens do not depend on which build it runs. The
-    portable build carries the bf16 dot and AMX kernels too and runs them where the CPU has AVX512_BF16 (and
-    AMX_BF16), with the native build's bits."""
+    portable build carries the bf16 dot, VNNI and AMX kernels too and runs them where the CPU has AVX512_BF16
+    (AVX512_VNNI, AMX_INT8), with the native build's bits."""
     k = native_kernels()
     other = other_build(tmp_path, march)
     codes, d, m, _ = _q4_weight(36, 576, seed=7)
@@ -204,11 +206,15 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
             x = (torch.randn(rows, 576) * 2).to(dtype)
             assert torch.equal(other.q4_matmul(x, packed, 36, "f32"), k.q4_matmul(x, packed, 36, "f32")), (rows, dtype)
     assert other.has_bf16dot == (k.has_bf16dot and march == "x86-64-v3")
+    assert other.has_vnni == (k.has_vnni and march == "x86-64-v3")
     assert other.has_amx == (k.has_amx and march == "x86-64-v3")
-    if other.has_amx:
+    digit_kernels = ["vnni"] * other.has_vnni + ["amx", "amx_tiles"] * other.has_amx
+    for kernel in digit_kernels:
         for rows in (1, 17):
-            x = (torch.randn(rows, 576) * 2).to(torch.bfloat16)
-            assert torch.equal(other.q4_matmul(x, packed, 36, kernel="amx"), k.q4_matmul(x, packed, 36, kernel="amx"))
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(rows, 576) * 2).to(dtype)
+                assert torch.equal(other.q4_matmul(x, packed, 36, kernel=kernel),
+                                   k.q4_matmul(x, packed, 36, kernel=kernel)), (kernel, rows, dtype)
     if other.has_bf16dot:
         for rows in (3, 13):  # tiles of 3; of 8, 4 and 1
             for dtype in (torch.float32, torch.bfloat16):
@@ -219,8 +225,9 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
 
 @pytest.mark.parametrize("dtype,matmuls", [(torch.float32, "int"), (torch.bfloat16, "int"),
                                            (torch.bfloat16, "bf16dot"), (torch.float32, "f32"),
-                                           (torch.bfloat16, "f32"), (torch.bfloat16, "amx")],
-                         ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32", "bf16-amx"])
+                                           (torch.bfloat16, "f32"), (torch.bfloat16, "amx"),
+                                           (torch.float32, "vnni")],
+                         ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32", "bf16-amx", "fp32-vnni"])
 def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype, matmuls):
     """decode_layers.c runs every layer of a decode step in one call; the model's per-op path (one native
     call per kernel from Python) computes the same hidden states, logits and cache writes."""
@@ -256,27 +263,56 @@ def _bf16dot_kernels() -> native.DecodeKernels:
     return k
 
 
+def _vnni_kernels() -> native.DecodeKernels:
+    k = native_kernels()
+    if not k.has_vnni:
+        pytest.skip("this build has no VNNI kernel (the CPU has no AVX512_VNNI, or the compiler is not GCC 11+)")
+    return k
+
+
 def _amx_kernels() -> native.DecodeKernels:
     k = native_kernels()
     if not k.has_amx:
-        pytest.skip("this build or host has no AMX kernel (the CPU has no AMX_BF16, or the OS did not grant it)")
+        pytest.skip("this build or host has no AMX kernel (the CPU has no AMX_INT8, or the OS did not grant it)")
     return k
 
 
 def _kernels_for(kernel: str) -> native.DecodeKernels:
-    return {"bf16dot": _bf16dot_kernels, "amx": _amx_kernels}.get(kernel, native_kernels)()
+    return {"bf16dot": _bf16dot_kernels, "vnni": _vnni_kernels, "amx": _amx_kernels,
+            "amx_tiles": _amx_kernels}.get(kernel, native_kernels)()
 
 
-@pytest.mark.parametrize("kernel", ["bf16dot", "amx"])
+@pytest.mark.parametrize("kernel", ["vnni", "amx", "amx_tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q4_by_int8_digits_is_the_files_weights_times_x_within_the_quantization_error(dtype, kernel):
+    """The int8 digit kernels quantize a row as the integer kernel does, to 1/32639 of each block's largest
+    |x| (two signed bytes hold every such integer), and sum the products exactly: within the integer
+    kernel's bound at that step, far closer than bf16 activations; a bf16 result is the fp32 one rounded
+    (the bits torch's conversion gives), and an fp32 x that bf16 holds exactly gives the bf16 x's result."""
+    k = _kernels_for(kernel)
+    packed, dense, x = _q4_case(dtype)
+    y = k.q4_matmul(x, packed, 102, kernel=kernel)
+    assert y.shape == (7, 102) and y.dtype == dtype
+    exact = x.double().numpy() @ dense.T
+    bound = _quant_error_bound(x, dense, XD_MAX) + (np.abs(exact) / 128 if dtype == torch.bfloat16 else 0)
+    err = np.abs(y.double().numpy() - exact)
+    assert (err <= bound).all(), f"worst error {err.max():.3g} against its bound {bound.flat[err.argmax()]:.3g}"
+    if dtype == torch.float32:
+        assert np.median(err / (np.abs(x.double().numpy()) @ np.abs(dense).T)) < 1e-5
+    else:
+        assert torch.equal(y, k.q4_matmul(x.float(), packed, 102, kernel=kernel).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        k.q4_matmul(torch.randn(2, 48), packed, 8, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["bf16dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_q4_by_the_bf16_dot_is_the_files_exact_weights_times_x_in_bf16(dtype, kernel):
     """The bf16 dot kernel multiplies the file's codes as integers (128 + q, exact in bf16) with each
     activation rounded to bf16 (2^-9 of it at most), sums in fp32 from -128 * (the sum of x), then scales by
     d and adds m * (the sum of x): within 2^-8 of sum |x| |w| of the exact product, the same bits for an fp32
     x as for that x rounded to bf16 first, and for that rounded x within fp32 sum error of the exact weights
-    (no weight is rounded: 2^-12 of sum_b (d_b + |m_b|) sum |x_b| covers the sums' cancellation of 128 x).
-    The AMX kernel makes the same products by the tile unit, one fp32 sum a block where the bf16 dot kernel
-    keeps 4: the same bounds hold for it."""
+    (no weight is rounded: 2^-12 of sum_b (d_b + |m_b|) sum |x_b| covers the sums' cancellation of 128 x)."""
     k = _kernels_for(kernel)
     codes, d, m, dense = _q4_weight(102, 576)
     packed, _, x = _q4_case(dtype)
@@ -310,20 +346,24 @@ def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the
     _assert_rows_batch_invariant({"q4 bf16dot": lambda x: k.q4_matmul(x, packed, 200, kernel="bf16dot")}, rows, gen)
 
 
-def test_q4_by_amx_tiles_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads():
-    """Invariant 4 for the AMX kernel: rows go in tiles of 16 and a last tile of what is left (17 rows: 16
-    and 1), every tile against the same unpacked block; in any of them, and on 1 or 2 threads, a row gets
-    its bits alone. 200 outputs: 12 groups of 16 and one of 8 (two quads, the others zero)."""
+def test_q4_by_int8_digits_gives_a_row_the_same_bits_whatever_the_batch_the_unit_and_the_threads():
+    """Invariant 4 for the int8 digit kernels: the vector kernel (rows in tiles of 4, 3, 2, 1) and the tile
+    kernel (tiles of 16 rows, the last padded with zero rows) compute the same exact integer sums and scale
+    them by the same instructions, so q4_matmul_amx may switch units at 8 rows: every row gets the bits it
+    gets alone from either unit, at every batch size across the switch, on 1 or 2 threads. 200 outputs: 12
+    groups of 16 and one of 8 (two quads, the others zero)."""
     k = _amx_kernels()
     codes, d, m, _ = _q4_weight(200, 1536, seed=3)
     packed = native.pack_q4(codes, d, m)
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(40, 1536, generator=gen) * 3).to(torch.bfloat16)
-    f = lambda x: k.q4_matmul(x, packed, 200, kernel="amx")  # noqa: E731
-    _assert_rows_batch_invariant({"q4 amx": f}, rows, gen)
-    alone = torch.cat([f(rows[i:i + 1]) for i in range(len(rows))])
-    for bsz in (16, 17, 33, 40):
-        assert torch.equal(f(rows[:bsz]), alone[:bsz]), bsz
+    kernels = {kernel: (lambda x, kernel=kernel: k.q4_matmul(x, packed, 200, kernel=kernel))
+               for kernel in ("vnni", "amx", "amx_tiles")}
+    _assert_rows_batch_invariant(kernels, rows, gen)
+    alone = torch.cat([kernels["vnni"](rows[i:i + 1]) for i in range(len(rows))])
+    for bsz in (1, 2, 5, 7, 8, 9, 16, 17, 33, 40):
+        for name, f in kernels.items():
+            assert torch.equal(f(rows[:bsz]), alone[:bsz]), (name, bsz)
 
 
 def test_q4_by_amx_tiles_is_unchanged_by_torchs_own_amx_work_between_calls():
@@ -332,13 +372,13 @@ def test_q4_by_amx_tiles_is_unchanged_by_torchs_own_amx_work_between_calls():
     k = _amx_kernels()
     codes, d, m, _ = _q4_weight(64, 576, seed=9)
     packed = native.pack_q4(codes, d, m)
-    x = (torch.randn(5, 576) * 2).to(torch.bfloat16)
-    first = k.q4_matmul(x, packed, 64, kernel="amx")
+    x = (torch.randn(12, 576) * 2).to(torch.bfloat16)
+    first = k.q4_matmul(x, packed, 64, kernel="amx")  # 12 rows: the tiles
     a, b = torch.randn(48, 1024, dtype=torch.bfloat16), torch.randn(1024, 96, dtype=torch.bfloat16)
     for _ in range(3):
         (a @ b).sum()
         assert torch.equal(k.q4_matmul(x, packed, 64, kernel="amx"), first)
-        assert torch.equal(k.q4_matmul(x[2:3], packed, 64, kernel="amx"), first[2:3])
+        assert torch.equal(k.q4_matmul(x[2:3], packed, 64, kernel="amx_tiles"), first[2:3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -68,7 +68,7 @@
 #define PREFETCH_AHEAD 6144
 #define PREFETCH(rec) __builtin_prefetch((const char *)(rec) + PREFETCH_AHEAD, 0, 3)
 
-enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1, FORMAT_Q4_BF16DOT = 2, FORMAT_Q4_F32 = 3, FORMAT_Q4_AMX = 4 };
+enum { FORMAT_Q4 = 0, FORMAT_Q8 = 1, FORMAT_Q4_BF16DOT = 2, FORMAT_Q4_F32 = 3, FORMAT_Q4_VNNI = 4, FORMAT_Q4_AMX = 5 };
 
 typedef struct {
     int format;
@@ -88,6 +88,7 @@ typedef struct {
     void *y;           /* [rows, y_stride] of fp32 or bf16 */
     int64_t y_stride;
     int y_bf16;
+    const int8_t *xd;   /* q4 by int8 digits: [rows, in / 32, 64] */
 } job_t;
 
 /* ------------------------------------------------------------------------------------- conversions */
@@ -117,10 +118,10 @@ static inline float sum8(const float *l) { /* a fixed tree over the 8 lanes */
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-/* One row of x, [in] fp32 or bf16 -> xq, and per block sx and sum(x). Each row alone: its quantization
+/* One row of x, [in] fp32 or bf16 -> xq (|xq| <= limit), and per block sx and sum(x). Each row alone: its quantization
  * never depends on the other rows. A block's sum has one fixed order, the one 8-lane vectors give: lane l
  * adds inputs l, 8 + l, 16 + l and 24 + l in turn, then sum8's tree over the lanes. */
-static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, float *sx, float *sumx) {
+static void quantize_row(const void *x, int x_bf16, int64_t in, float limit, int16_t *xq, float *sx, float *sumx) {
     for (int64_t b = 0; b < in / GROUP; b++) {
         float lanes[8], amax = 0.0f;
 #ifdef MATMUL_AVX2
@@ -152,7 +153,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, flo
         /* A NaN or an infinity in the block makes its scale NaN, so that every output it reaches is NaN,
          * as a float product's would be, instead of a quantized zero hiding it. (With a finite sum every
          * element is finite, so the largest |x| above never met a NaN.) */
-        const float s = isfinite(sum_x) ? amax / XQ_MAX : NAN;
+        const float s = isfinite(sum_x) ? amax / limit : NAN;
         sx[b] = s;
         sumx[b] = sum_x;
         int16_t *q = xq + b * GROUP;
@@ -161,7 +162,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, flo
             continue;
         }
 #ifdef MATMUL_AVX2
-        const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(XQ_MAX), lo = _mm256_set1_ps(-XQ_MAX);
+        const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
         __m256i n[4];
         for (int c = 0; c < 4; c++) /* the same IEEE division and round-to-nearest-even as rintf(v / s) */
             n[c] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(
@@ -172,7 +173,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t in, int16_t *xq, flo
 #else
         for (int i = 0; i < GROUP; i++) {
             const float r = rintf(v[i] / s); /* rintf: to nearest even */
-            q[i] = (int16_t)(r > XQ_MAX ? XQ_MAX : r < -XQ_MAX ? -XQ_MAX : r);
+            q[i] = (int16_t)(r > limit ? limit : r < -limit ? -limit : r);
         }
 #endif
     }
@@ -865,102 +866,118 @@ static int run(const job_t *j, int64_t threads) {
     return err;
 }
 
-/* q4 by AMX tiles (q4_matmul_amx, where the CPU has AMX_BF16 and the OS grants the tile state). The
- * bf16 dot kernel's products by the tile unit: a block of 16 outputs (4 quads) by up to 16 rows is one
- * tdpbf16ps, where the vector kernel takes 16 vdpbf16ps per row; so a batch costs little more than a row.
- * The codes stay the file's (the same packed weights as every q4 kernel): per block, the 4 quads' code
- * bytes are turned around into B [16 pairs, 16 outputs] of bf16 128 + q (pair i: inputs i and i + 16, a
- * byte's two nibbles), and each row's x is laid out in the same pairs once a call. The tile unit sums a
- * block's 32 products into one fp32 per (row, output), C; then per block, in order, acc += d * (C - 128 *
- * sum(x_b)), acc += m * sum(x_b), all in fp32.
+/* q4 by int8 digits (q4_matmul_vnni where the CPU has AVX512_VNNI; q4_matmul_amx where it also has AMX_INT8
+ * and the OS grants the tile state). The integer kernel's exact products, by the byte dot instructions: each
+ * row is quantized per block to 16-bit integers as there (|xq| <= XD_MAX), and xq = 256 hi + lo split into two
+ * signed bytes; the codes (0-15) times each digit sum exactly in int32, S = 256 S_hi + S_lo (|S| < 2^24, so
+ * exact in fp32 too). Then per block, in order, acc += S * (d * sx) and accm += m * sum(x_b), in fp32 over a
+ * group's 16 outputs, and y = acc + accm.
  *
- * Its own rounding (one fp32 sum a block, in the tile unit's order), not the bf16 dot kernel's (4 lanes a
- * block): a model on this kernel is self-consistent but not bit-identical to one on another kernel, as
- * two CPU families are not. Invariant 4 holds: a (row, output)'s C is the tile unit's dot product of that
- * row's pairs with that output's, whatever the other rows of its tile, and the scaling is per row. */
+ * Two units, one result. The vector kernel (vpdpbusd) takes a block's 16 outputs x 32 inputs as 8 registers
+ * of 16 dwords (dword n: output n's codes of 4 inputs), so a row costs 16 instructions a block with no
+ * reduction across lanes; the tile kernel (tdpbssd) stores the same 8 registers as the B tile and does 16
+ * rows per instruction. The integer sums are exact whatever the unit's order, and the fp32 steps after them
+ * are the same instructions in the same order, so both give the same bits: q4_matmul_amx takes a batch of
+ * fewer than AMX_MIN_ROWS rows to the vector kernel (one row costs the tile unit a store and reload of B per
+ * block) and a larger one to the tiles, and invariant 4 holds across the switch (a row's result does not
+ * depend on the batch's size). */
 #if defined(MATMUL_AVX2) && defined(MATMUL_BF16DOT) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define MATMUL_AMX 1
+#define MATMUL_DIGITS 1
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_OUTPUTS 16                   /* a tile's outputs: 4 quads */
-#define AMX_QUADS (AMX_OUTPUTS / QUAD)
-#define AMX_ROWS 16                      /* a tile's rows */
-#define ARCH_REQ_XCOMP_PERM 0x1023       /* arch_prctl: ask for a dynamically enabled state component */
+#define DIGIT_OUTPUTS 16 /* a group: 4 quads, one register of 16 int32 / fp32 */
+#define DIGIT_QUADS (DIGIT_OUTPUTS / QUAD)
+#define XD_MAX 32639.0f  /* 127 * 256 + 127: both digits of every |xq| <= XD_MAX fit a signed byte */
+#define XD_BLOCK 64      /* a row's bytes a block: its 32 high digits, then its 32 low ones */
+#define AMX_ROWS 16      /* a tile's rows */
+/* Below this many rows q4_matmul_amx runs the vector kernel. The 120 matmuls of a SmolLM2 step on the Intel
+ * VM (amx_int8, 2 threads): see docs/benchmarks.md. */
+#define AMX_MIN_ROWS 8
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a dynamically enabled state component */
 #define XFEATURE_XTILEDATA 18
 
-/* The byte permutes' indices (amx_unpack), filled once when the library loads, by plain code: this runs on
- * every CPU the library loads on, so it stays outside the AVX-512 target below. */
-static uint8_t amx_stage1[2][64], amx_stage2[2][64], amx_spread[4][64];
+typedef int32_t __attribute__((may_alias, aligned(1))) dword_t; /* four digits, read as one broadcast */
 
-__attribute__((constructor)) static void amx_tables(void) {
-    /* stage 1, two quads (64 bytes each, output t's byte r at 16 t + r) -> pairs rows r (0-7 or 8-15) x their
-     * 8 outputs, at 8 r' + 4 Q + t */
-    for (int half = 0; half < 2; half++)
-        for (int r = 0; r < 8; r++)
-            for (int q = 0; q < 2; q++)
-                for (int t = 0; t < QUAD; t++)
-                    amx_stage1[half][8 * r + 4 * q + t] = (uint8_t)(64 * q + 16 * t + 8 * half + r);
-    /* stage 2, quads 0-1 and 2-3 of stage 1 -> rows 4k + i (i < 4) x 16 outputs, at 16 i + n */
-    for (int k = 0; k < 2; k++)
-        for (int i = 0; i < 4; i++)
-            for (int n = 0; n < AMX_OUTPUTS; n++)
-                amx_stage2[k][16 * i + n] = (uint8_t)(64 * (n / 8) + 8 * (4 * k + i) + n % 8);
-    /* a row's 16 bytes -> byte 0 and byte 2 of dword n */
-    for (int i = 0; i < 4; i++)
-        for (int n = 0; n < AMX_OUTPUTS; n++)
-            for (int e = 0; e < 4; e++) amx_spread[i][4 * n + e] = (uint8_t)(16 * i + n);
+/* Row r's digits: xq (|xq| <= XD_MAX) -> [blocks, hi 32 | lo 32] (lo = xq's low byte, signed; hi = (xq - lo)
+ * / 256). AVX2 only: it runs before the CPU's AVX-512 is asked about. */
+static void digits_row(const int16_t *xq, int64_t in, int8_t *xd) {
+    for (int64_t b = 0; b < in / GROUP; b++, xd += XD_BLOCK) {
+        __m256i hi[2], lo[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(xq + b * GROUP + 16 * h));
+            lo[h] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+            hi[h] = _mm256_srai_epi16(_mm256_sub_epi16(v, lo[h]), 8);
+        }
+        /* packs interleaves 128-bit halves; the permute puts them back (no value saturates) */
+        _mm256_storeu_si256((__m256i *)xd, _mm256_permute4x64_epi64(_mm256_packs_epi16(hi[0], hi[1]), 0xd8));
+        _mm256_storeu_si256((__m256i *)(xd + GROUP), _mm256_permute4x64_epi64(_mm256_packs_epi16(lo[0], lo[1]), 0xd8));
+    }
+}
+
+typedef struct {
+    int8_t *xd; /* [x_rows, blocks, XD_BLOCK]: rows past `rows` zero */
+    float *sx;  /* [x_rows, blocks] scales, then [x_rows, blocks] sums of x (rows past `rows` zero) */
+} digits_t;
+
+/* x's rows quantized and split (x_rows >= rows: the zero rows a tile pads with). */
+static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t rows, int64_t x_rows, int64_t in,
+                          int64_t threads, digits_t *out) {
+    const int64_t blocks = in / GROUP;
+    int16_t *xq = malloc((size_t)(rows * in) * sizeof *xq);
+    out->xd = calloc((size_t)(x_rows * in * 2), 1);
+    out->sx = calloc((size_t)(2 * x_rows * blocks), sizeof *out->sx);
+    if (!xq || !out->xd || !out->sx) {
+        free(xq);
+        free(out->xd);
+        free(out->sx);
+        return -ENOMEM;
+    }
+    const size_t elem = x_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, in, XD_MAX, xq + r * in,
+                     out->sx + r * blocks, out->sx + (x_rows + r) * blocks);
+        digits_row(xq + r * in, in, out->xd + r * in * 2);
+    }
+    free(xq);
+    return 0;
+}
+
+/* AVX512_VNNI (with F and BW) and the AVX-512 state enabled by the OS, asked of this CPU once. */
+static int cpu_has_vnni(void) {
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vnni");
+    }
+    return has;
+}
+
+/* AMX_INT8 and AMX_TILE (CPUID leaf 7: EDX bits 25, 24) beside VNNI, and the kernel's leave to use the tile
+ * data (arch_prctl, Linux 5.16 and later; once a process, for all its threads), asked once. */
+static int amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        unsigned a, b, c, d;
+        ready = cpu_has_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1) && (d >> 24 & 1) &&
+                syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return ready;
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config_t;
-
-/* Tiles: two sets of A (x's rows of a block), B (16 outputs' codes of a block) and C (their products), for
- * two blocks at a time: a tile unit's operations on one tile wait for each other (load B, multiply, store
- * C, zero C again), so one set a block left a one-row matmul 1.9x slower than the bf16 dot kernel. `m` rows
- * a tile: the batch up to 16, else 16 (x padded with zero rows to a multiple of 16). Loaded by every
- * thread at the start of every call: torch's own AMX kernels (oneDNN) share these threads and load their
- * own configurations between our calls. */
-static void amx_configure(int m) {
-    amx_config_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int set = 0; set < 2; set++) {
-        c.rows[3 * set] = c.rows[3 * set + 1] = (uint8_t)m;
-        c.rows[3 * set + 2] = GROUP / 2;
-        c.colsb[3 * set] = AMX_OUTPUTS * 4;     /* C: fp32 */
-        c.colsb[3 * set + 1] = GROUP * 2;       /* A: bf16, a block's 16 pairs */
-        c.colsb[3 * set + 2] = AMX_OUTPUTS * 4; /* B: 16 outputs' bf16 pairs */
-    }
-    _tile_loadconfig(&c);
-}
-
-typedef struct {
-    __m512i stage1[2], stage2[2], spread[4], shift, nibbles, exp128;
-} amx_indices_t;
-
-static void amx_indices(amx_indices_t *ix) {
-    for (int h = 0; h < 2; h++)
-        ix->stage1[h] = _mm512_loadu_si512(amx_stage1[h]), ix->stage2[h] = _mm512_loadu_si512(amx_stage2[h]);
-    for (int i = 0; i < 4; i++) ix->spread[i] = _mm512_loadu_si512(amx_spread[i]);
-    ix->shift = _mm512_set1_epi32(4 << 16);       /* word 0 as it is, word 1 shifted down a nibble */
-    ix->nibbles = _mm512_set1_epi32(0x000f000f);
-    ix->exp128 = _mm512_set1_epi32(0x43004300);    /* 128 + q in bf16 */
-}
-
-/* B [16 pairs, 16 outputs] of block b of the group starting at quad q0 (n quads of it real; the others
- * zero): pair i of output n = (128 + low nibble, 128 + high nibble) of its code byte i. Its 16 d and 16 m. */
-static inline __attribute__((always_inline)) void amx_unpack(const job_t *j, const amx_indices_t *ix, int64_t q0,
-                                                             int n, int64_t b, uint32_t *bt, __m512 *d, __m512 *m) {
-    __m512i z[AMX_QUADS];
-    uint64_t dq[AMX_QUADS], mq[AMX_QUADS];
-    for (int q = 0; q < AMX_QUADS; q++) {
+/* Block b of the group of quads q0 .. q0 + n - 1 (the rest of the group's 4 zero): w[k] dword n = output n's
+ * codes of inputs 4k .. 4k + 3, a byte each (k < 4: the low nibbles of the quad record's code dword k; k >= 4:
+ * the high nibbles of dword k - 4, inputs 16 + ...); its 16 d and 16 m in fp32. */
+static inline __attribute__((always_inline)) void digit_codes(const job_t *j, int64_t q0, int n, int64_t b,
+                                                              __m512i w[8], __m512 *d, __m512 *m) {
+    __m512i z[DIGIT_QUADS];
+    uint64_t dq[DIGIT_QUADS], mq[DIGIT_QUADS];
+    for (int q = 0; q < DIGIT_QUADS; q++) {
         if (q < n) {
             const uint8_t *rec = record(&j->w, q0 + q, b);
             PREFETCH(rec);
@@ -972,109 +989,225 @@ static inline __attribute__((always_inline)) void amx_unpack(const job_t *j, con
             dq[q] = mq[q] = 0;
         }
     }
-    const __m512i t01lo = _mm512_permutex2var_epi8(z[0], ix->stage1[0], z[1]);
-    const __m512i t01hi = _mm512_permutex2var_epi8(z[0], ix->stage1[1], z[1]);
-    const __m512i t23lo = _mm512_permutex2var_epi8(z[2], ix->stage1[0], z[3]);
-    const __m512i t23hi = _mm512_permutex2var_epi8(z[2], ix->stage1[1], z[3]);
-    const __m512i rows4[4] = {_mm512_permutex2var_epi8(t01lo, ix->stage2[0], t23lo),
-                              _mm512_permutex2var_epi8(t01lo, ix->stage2[1], t23lo),
-                              _mm512_permutex2var_epi8(t01hi, ix->stage2[0], t23hi),
-                              _mm512_permutex2var_epi8(t01hi, ix->stage2[1], t23hi)};
-    for (int k = 0; k < 4; k++)
-        for (int i = 0; i < 4; i++) {
-            const __m512i v = _mm512_srlv_epi16(_mm512_permutexvar_epi8(ix->spread[i], rows4[k]), ix->shift);
-            _mm512_store_si512(bt + 16 * (4 * k + i), _mm512_ternarylogic_epi32(v, ix->nibbles, ix->exp128, 0xea));
-        }
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int k = 0; k < 4; k++) {
+        /* dwords 0-7: dword k of outputs 0-3 of the first quad, then of the second's */
+        const __m512i idx = _mm512_setr_epi32(k, 4 + k, 8 + k, 12 + k, 16 + k, 20 + k, 24 + k, 28 + k, 0, 0, 0, 0, 0,
+                                              0, 0, 0);
+        const __m512i row = _mm512_shuffle_i64x2(_mm512_permutex2var_epi32(z[0], idx, z[1]),
+                                                 _mm512_permutex2var_epi32(z[2], idx, z[3]), 0x44);
+        w[k] = _mm512_and_si512(row, nibble);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(row, 4), nibble);
+    }
     *d = _mm512_cvtph_ps(_mm256_setr_epi64x((long long)dq[0], (long long)dq[1], (long long)dq[2], (long long)dq[3]));
     *m = _mm512_cvtph_ps(_mm256_setr_epi64x((long long)mq[0], (long long)mq[1], (long long)mq[2], (long long)mq[3]));
 }
 
-/* One block's C of rows r0 .. r0 + count - 1 (in `c`, 16 floats a row) into their accumulators. */
-static inline __attribute__((always_inline)) void amx_scale(const job_t *j, int64_t r0, int count, int64_t b,
-                                                            const float *c, __m512 d, __m512 m, float *acc) {
-    const int64_t blocks = j->w.in / GROUP;
-    for (int r = 0; r < count; r++) {
-        const float s = j->sumx[(r0 + r) * blocks + b];
-        const __m512 t = _mm512_add_ps(_mm512_load_ps(c + AMX_OUTPUTS * r), _mm512_set1_ps(-128.0f * s));
-        __m512 a = _mm512_fmadd_ps(t, d, _mm512_load_ps(acc + AMX_OUTPUTS * (r0 + r)));
-        _mm512_store_ps(acc + AMX_OUTPUTS * (r0 + r), _mm512_fmadd_ps(_mm512_set1_ps(s), m, a));
-    }
+/* One block's exact sums S of a row into its accumulators: the step both kernels share, so the same bits. */
+static inline __attribute__((always_inline)) void digit_scale(__m512i s, __m512 d, __m512 m, float sx, float sumx,
+                                                              __m512 *acc, __m512 *accm) {
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(sx)), *acc);
+    *accm = _mm512_fmadd_ps(m, _mm512_set1_ps(sumx), *accm);
 }
 
-/* x_rows: the rows of j->xb, a multiple of 16 where the batch is larger than 16 (the rest zero). */
-static int groups_amx(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
-    const int64_t in = j->w.in, blocks = in / GROUP, rows = j->rows;
-    const int m = (int)(x_rows < AMX_ROWS ? x_rows : AMX_ROWS);
-    float *acc = aligned_alloc(64, (size_t)(rows * AMX_OUTPUTS) * sizeof *acc);
-    if (!acc) return -ENOMEM;
-    __attribute__((aligned(64))) uint32_t bt[2][GROUP / 2 * AMX_OUTPUTS];
-    __attribute__((aligned(64))) float c[2][AMX_ROWS * AMX_OUTPUTS];
-    amx_indices_t ix;
-    amx_indices(&ix);
-    amx_configure(m);
-    const int64_t nq = quads(&j->w), x_stride = in * 2; /* bytes a row of the paired x */
+/* Row `row`'s 16 outputs of a group, y = acc + accm, in y's dtype (f32_to_bf16's rounding and NaN, 16 at once). */
+static inline __attribute__((always_inline)) void digit_store(const job_t *j, int64_t row, int64_t q0, __m512 acc,
+                                                              __m512 accm) {
+    const __m512 v = _mm512_add_ps(acc, accm);
+    const int64_t o = q0 * QUAD, real = j->w.out - o;
+    const __mmask16 keep = real >= DIGIT_OUTPUTS ? (__mmask16)0xffff : (__mmask16)((1u << real) - 1);
+    if (!j->y_bf16) {
+        _mm512_mask_storeu_ps((float *)j->y + row * j->y_stride + o, keep, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                              _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i b = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_mask_storeu_epi16((uint16_t *)j->y + row * j->y_stride + o, keep, _mm512_cvtepi32_epi16(b));
+}
+
+#define DEFINE_TILE_VNNI(RT)                                                                           \
+static void tile_vnni_##RT(const job_t *j, int64_t r0, int64_t q0, int n) {                           \
+    const int64_t blocks = j->w.in / GROUP;                                                            \
+    const float *sx = j->sx, *sumx = j->sumx;                                                          \
+    __m512 acc[RT], accm[RT];                                                                          \
+    for (int r = 0; r < RT; r++) acc[r] = accm[r] = _mm512_setzero_ps();                               \
+    for (int64_t b = 0; b < blocks; b++) {                                                             \
+        __m512i w[8];                                                                                  \
+        __m512 d, m;                                                                                   \
+        digit_codes(j, q0, n, b, w, &d, &m);                                                           \
+        for (int r = 0; r < RT; r++) {                                                                 \
+            const int64_t at = (r0 + r) * blocks + b;                                                  \
+            const dword_t *xd = (const dword_t *)(j->xd + at * XD_BLOCK);                              \
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;                            \
+            for (int k = 0; k < 8; k += 2) {                                                           \
+                h0 = _mm512_dpbusd_epi32(h0, w[k], _mm512_set1_epi32(xd[k]));                          \
+                h1 = _mm512_dpbusd_epi32(h1, w[k + 1], _mm512_set1_epi32(xd[k + 1]));                  \
+                l0 = _mm512_dpbusd_epi32(l0, w[k], _mm512_set1_epi32(xd[8 + k]));                      \
+                l1 = _mm512_dpbusd_epi32(l1, w[k + 1], _mm512_set1_epi32(xd[9 + k]));                  \
+            }                                                                                          \
+            const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8),         \
+                                               _mm512_add_epi32(l0, l1));                              \
+            digit_scale(s, d, m, sx[at], sumx[at], &acc[r], &accm[r]);                                 \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int r = 0; r < RT; r++) digit_store(j, r0 + r, q0, acc[r], accm[r]);                          \
+}
+DEFINE_TILE_VNNI(4)
+DEFINE_TILE_VNNI(3)
+DEFINE_TILE_VNNI(2)
+DEFINE_TILE_VNNI(1)
+
+static int groups_vnni(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
+    (void)x_rows;
+    const int64_t nq = quads(&j->w);
     for (int64_t g = g_begin; g < g_end; g++) {
-        const int64_t q0 = g * AMX_QUADS;
-        const int n = (int)(nq - q0 < AMX_QUADS ? nq - q0 : AMX_QUADS);
-        memset(acc, 0, (size_t)(rows * AMX_OUTPUTS) * sizeof *acc);
-        for (int64_t b = 0; b < blocks; b += 2) {
-            const int two = b + 1 < blocks;
-            __m512 d[2], mm[2];
-            amx_unpack(j, &ix, q0, n, b, bt[0], &d[0], &mm[0]);
-            _tile_loadd(2, bt[0], AMX_OUTPUTS * 4);
-            if (two) {
-                amx_unpack(j, &ix, q0, n, b + 1, bt[1], &d[1], &mm[1]);
-                _tile_loadd(5, bt[1], AMX_OUTPUTS * 4);
-            }
-            for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
-                const int count = (int)(rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS);
-                _tile_zero(0);
-                _tile_loadd(1, j->xb + r0 * in + b * GROUP, x_stride);
-                _tile_dpbf16ps(0, 1, 2);
-                _tile_stored(0, c[0], AMX_OUTPUTS * 4);
-                if (two) {
-                    _tile_zero(3);
-                    _tile_loadd(4, j->xb + r0 * in + (b + 1) * GROUP, x_stride);
-                    _tile_dpbf16ps(3, 4, 5);
-                    _tile_stored(3, c[1], AMX_OUTPUTS * 4);
-                }
-                amx_scale(j, r0, count, b, c[0], d[0], mm[0], acc);
-                if (two) amx_scale(j, r0, count, b + 1, c[1], d[1], mm[1], acc);
-            }
+        const int64_t q0 = g * DIGIT_QUADS;
+        const int n = (int)(nq - q0 < DIGIT_QUADS ? nq - q0 : DIGIT_QUADS);
+        int64_t r = 0;
+        for (; r + 4 <= j->rows; r += 4) tile_vnni_4(j, r, q0, n);
+        switch (j->rows - r) {
+        case 3: tile_vnni_3(j, r, q0, n); break;
+        case 2: tile_vnni_2(j, r, q0, n); break;
+        case 1: tile_vnni_1(j, r, q0, n); break;
         }
-        for (int64_t r = 0; r < rows; r++)
-            for (int t = 0; t < AMX_OUTPUTS && q0 * QUAD + t < j->w.out; t++)
-                put_y(j, r, q0 * QUAD + t, acc[r * AMX_OUTPUTS + t]);
+    }
+    return 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* Tiles 0, 1: C of the high and the low digits ([m rows, 16 int32]); 2, 3: A, those digits of m rows of a
+ * block; 4: B, a block's codes of 16 outputs ([8 rows of 4 inputs, 16 outputs x 4 bytes]). `m` rows a tile:
+ * the batch up to 16, else 16 (x padded with zero rows to a multiple of 16). Loaded by every thread at the
+ * start of every call: torch's own AMX kernels (oneDNN) share these threads and load their own between ours. */
+static void amx_configure(int m) {
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = c.rows[2] = c.rows[3] = (uint8_t)m;
+    c.colsb[0] = c.colsb[1] = DIGIT_OUTPUTS * 4;
+    c.colsb[2] = c.colsb[3] = GROUP;
+    c.rows[4] = GROUP / 4;
+    c.colsb[4] = DIGIT_OUTPUTS * 4;
+    _tile_loadconfig(&c);
+}
+
+/* A group's blocks unpacked once for all its rows: per block the B tile (8 rows of 64 bytes), then its 16 d
+ * and its 16 m, in fp32. */
+typedef struct {
+    __m512i b[8];
+    __m512 d, m;
+} amx_block_t;
+
+/* The tile operations of block b for 16 rows of x starting at `a` (the block's digits of the first), into
+ * c (C of the high digits, then of the low). */
+static inline __attribute__((always_inline)) void amx_products(const amx_block_t *blk, const int8_t *a,
+                                                               int64_t x_stride, int32_t *c) {
+    _tile_loadd(4, blk->b, DIGIT_OUTPUTS * 4);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, a, x_stride);
+    _tile_loadd(3, a + GROUP, x_stride);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 4);
+    _tile_stored(0, c, DIGIT_OUTPUTS * 4);
+    _tile_stored(1, c + AMX_ROWS * DIGIT_OUTPUTS, DIGIT_OUTPUTS * 4);
+}
+
+/* Rows r0 .. r0 + RT - 1 of a group (x padded with zero rows to a multiple of 16, so all RT exist), `count`
+ * of them real: first the offset term, blocks in order; then the products, the tile unit one block ahead of
+ * the scaling (two C buffers), each row's acc in a register. */
+#define DEFINE_AMX_ROWS(RT)                                                                            \
+static void amx_rows_##RT(const job_t *j, const amx_block_t *blk, int64_t r0, int count, int64_t q0,   \
+                          int32_t (*c)[2 * AMX_ROWS * DIGIT_OUTPUTS]) {                                \
+    const int64_t blocks = j->w.in / GROUP, x_stride = blocks * XD_BLOCK;                              \
+    const float *sx = j->sx + r0 * blocks, *sumx = j->sumx + r0 * blocks;                              \
+    const int8_t *xd = j->xd + r0 * x_stride;                                                          \
+    __m512 acc[RT], accm[RT];                                                                          \
+    for (int r = 0; r < RT; r++) acc[r] = accm[r] = _mm512_setzero_ps();                               \
+    for (int64_t b = 0; b < blocks; b++)                                                               \
+        for (int r = 0; r < RT; r++) accm[r] = _mm512_fmadd_ps(blk[b].m, _mm512_set1_ps(sumx[r * blocks + b]), accm[r]); \
+    amx_products(&blk[0], xd, x_stride, c[0]);                                                         \
+    for (int64_t b = 0; b < blocks; b++) {                                                             \
+        if (b + 1 < blocks) amx_products(&blk[b + 1], xd + (b + 1) * XD_BLOCK, x_stride, c[(b + 1) & 1]); \
+        const int32_t *cb = c[b & 1];                                                                  \
+        for (int r = 0; r < RT; r++) {                                                                 \
+            const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb + 16 * r), 8),   \
+                                               _mm512_load_si512(cb + AMX_ROWS * DIGIT_OUTPUTS + 16 * r)); \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),                                            \
+                                     _mm512_mul_ps(blk[b].d, _mm512_set1_ps(sx[r * blocks + b])), acc[r]); \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int r = 0; r < count; r++) digit_store(j, r0 + r, q0, acc[r], accm[r]);                       \
+}
+DEFINE_AMX_ROWS(16)
+DEFINE_AMX_ROWS(8)
+
+/* x_rows: j->xd's, j->sx's and j->sumx's rows, a multiple of 16 (the rest zero). */
+static int groups_amx(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
+    const int64_t rows = j->rows, nq = quads(&j->w), blocks = j->w.in / GROUP;
+    amx_block_t *blk = aligned_alloc(64, (size_t)blocks * sizeof *blk);
+    if (!blk) return -ENOMEM;
+    __attribute__((aligned(64))) int32_t c[2][2 * AMX_ROWS * DIGIT_OUTPUTS];
+    (void)x_rows;
+    amx_configure(AMX_ROWS);
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const int64_t q0 = g * DIGIT_QUADS;
+        const int n = (int)(nq - q0 < DIGIT_QUADS ? nq - q0 : DIGIT_QUADS);
+        for (int64_t b = 0; b < blocks; b++) digit_codes(j, q0, n, b, blk[b].b, &blk[b].d, &blk[b].m);
+        for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
+            const int count = (int)(rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS);
+            if (count <= 8) amx_rows_8(j, blk, r0, count, q0, c);
+            else amx_rows_16(j, blk, r0, count, q0, c);
+        }
     }
     _tile_release();
-    free(acc);
+    free(blk);
     return 0;
 }
 #pragma GCC pop_options
 
-/* AMX_BF16 and AMX_TILE (CPUID leaf 7: EDX bits 22, 24) and the kernel's leave to use the tile data
- * (arch_prctl, Linux 5.16 and later; once a process, for all its threads), asked once. */
-static int amx_ready(void) {
-    static int ready = -1;
-    if (ready < 0) {
-        unsigned a, b, c, d;
-        ready = cpu_has_bf16dot() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1) &&
-                syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
-    return ready;
-}
+typedef int (*groups_fn)(const job_t *, int64_t, int64_t, int64_t);
 
-static int run_amx(const job_t *j, int64_t x_rows, int64_t threads) {
-    const int64_t groups = (quads(&j->w) + AMX_QUADS - 1) / AMX_QUADS;
+static int run_groups(groups_fn fn, const job_t *j, int64_t x_rows, int64_t threads) {
+    const int64_t groups = (quads(&j->w) + DIGIT_QUADS - 1) / DIGIT_QUADS;
     if (threads > groups) threads = groups;
-    if (threads <= 1) return groups_amx(j, x_rows, 0, groups);
+    if (threads <= 1) return fn(j, x_rows, 0, groups);
     int err = 0;
 #pragma omp parallel num_threads((int)threads) reduction(| : err)
     {
         int64_t begin, end;
         part_range(omp_get_thread_num(), omp_get_num_threads(), 1, groups, &begin, &end);
-        if (begin < end) err |= groups_amx(j, x_rows, begin, end);
+        if (begin < end) err |= fn(j, x_rows, begin, end);
     }
+    return err;
+}
+
+/* tiles: 0 the vector kernel, 1 the tile kernel. */
+static int matmul_digits(int tiles, const void *x, int x_bf16, int64_t x_stride, int64_t rows,
+                         const uint8_t *packed, int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride,
+                         int64_t threads) {
+    if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
+    if (!rows) return 0;
+    const int64_t blocks = in / GROUP;
+    const int64_t x_rows = tiles ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
+    digits_t dg;
+    const int err0 = digits_prepare(x, x_bf16, x_stride, rows, x_rows, in, threads, &dg);
+    if (err0) return err0;
+    job_t j = {{tiles ? FORMAT_Q4_AMX : FORMAT_Q4_VNNI, packed, NULL, out, in}, NULL, dg.sx, dg.sx + x_rows * blocks,
+               NULL, NULL, rows, y, y_stride, y_bf16};
+    j.xd = dg.xd;
+    const int err = run_groups(tiles ? groups_amx : groups_vnni, &j, x_rows, threads);
+    free(dg.xd);
+    free(dg.sx);
     return err;
 }
 #endif
@@ -1096,7 +1229,7 @@ static int matmul(weight_t w, const void *x, int x_bf16, int64_t x_stride, int64
     const size_t elem = x_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, w.in, xq + r * w.in, sx + r * blocks,
+        quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, w.in, XQ_MAX, xq + r * w.in, sx + r * blocks,
                      sx + (rows + r) * blocks);
     job_t j = {w, xq, sx, sx + rows * blocks, NULL, NULL, rows, y, y_stride, y_bf16};
     const int err = run(&j, threads);
@@ -1194,39 +1327,41 @@ int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
     return err;
 }
 
-/* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by AMX tiles (MATMUL_AMX above): x rounded to bf16 (to
- * nearest even) where it is fp32. -ENOSYS where this build has no AMX kernel or the CPU or the OS does
- * not offer AMX_BF16. */
+/* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by int8 digits (MATMUL_DIGITS above) on the vector unit.
+ * -ENOSYS where this build has no such kernel or the CPU has no AVX512_VNNI. */
+int q4_matmul_vnni(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
+                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+#ifdef MATMUL_DIGITS
+    if (!cpu_has_vnni()) return -ENOSYS;
+    return matmul_digits(0, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
+        (void)y_stride, (void)threads;
+    return -ENOSYS;
+#endif
+}
+
+/* The same bits as q4_matmul_vnni, by AMX tiles from AMX_MIN_ROWS rows on (MATMUL_DIGITS above). -ENOSYS
+ * where this build has no such kernel or the CPU or the OS does not offer AMX_INT8. */
 int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-#ifdef MATMUL_AMX
+#ifdef MATMUL_DIGITS
     if (!amx_ready()) return -ENOSYS;
-    if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
-    if (!rows) return 0;
-    const int64_t blocks = in / GROUP, x_rows = rows <= AMX_ROWS ? rows : (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-    uint16_t *xp = calloc((size_t)(x_rows * in), sizeof *xp); /* x in pairs (i, i + 16) a block; zero rows after */
-    float *sums = malloc((size_t)(rows * blocks) * sizeof *sums);
-    if (!xp || !sums) {
-        free(xp);
-        free(sums);
-        return -ENOMEM;
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < blocks; b++) {
-            float s = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                const int64_t k = r * x_stride + b * GROUP + i;
-                const uint16_t v = x_bf16 ? ((const uint16_t *)x)[k] : f32_to_bf16(((const float *)x)[k]);
-                xp[r * in + b * GROUP + (i < GROUP / 2 ? 2 * i : 2 * (i - GROUP / 2) + 1)] = v;
-                s += bf16_to_f32(v);
-            }
-            sums[r * blocks + b] = s;
-        }
-    job_t j = {{FORMAT_Q4_AMX, packed, NULL, out, in}, NULL, NULL, sums, xp, NULL, rows, y, y_stride, y_bf16};
-    const int err = run_amx(&j, x_rows, threads);
-    free(xp);
-    free(sums);
-    return err;
+    return matmul_digits(rows >= AMX_MIN_ROWS, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride,
+                         threads);
+#else
+    (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
+        (void)y_stride, (void)threads;
+    return -ENOSYS;
+#endif
+}
+
+/* q4_matmul_amx with the tiles at any batch size: the tests' proof that both units give the same bits. */
+int q4_matmul_amx_tiles(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
+                        int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+#ifdef MATMUL_DIGITS
+    if (!amx_ready()) return -ENOSYS;
+    return matmul_digits(1, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 #else
     (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
         (void)y_stride, (void)threads;

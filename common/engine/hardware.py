@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 # CPU flags that decide how fast 16-bit matmuls are (as /proc/cpuinfo and lscpu name them).
-REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_vnni")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 OFF, ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")  # an environment switch's spellings
 
@@ -62,12 +62,13 @@ def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     rows and multiplies in fp32 FMAs: the library's AVX2 build decoded 32 streams 1.43-1.44x and 8 streams 1.17-1.28x as fast as with the integer kernel
     (one stream 0.82-0.89x: a row alone pays the dequantization a batch shares), and takes the model's
     fp32 activations unrounded. Without AVX2 (the plain C loops), the integer kernel. torch's int4
-    kernel is 10-20x slower at 8-32 rows on AVX2 hosts (and 5x at one). Where the CPU has AMX_BF16 as well,
-    its AMX kernel: the same products by the tile unit, a block of 16 outputs by up to 16 rows an
-    instruction (docs/benchmarks.md has its figures against the bf16 dot kernel on the Intel VM)."""
+    kernel is 10-20x slower at 8-32 rows on AVX2 hosts (and 5x at one). Where the CPU has AMX_INT8 (and
+    AVX512_VNNI), its int8 digit kernel: exact integer products (16-bit activations as two signed bytes)
+    by vpdpbusd below 8 rows and by the tile unit from 8 on, the same bits either way; on the Intel VM its
+    one row cost what the bf16 dot kernel's does and its 32 rows 0.4x (docs/benchmarks.md)."""
     flags = cpu_flags() if flags is None else flags
-    if {"avx512_bf16", "amx_bf16", "amx_tile"} <= flags:
-        return "amx", "decode_matmul.c, AMX tiles: the CPU has amx_bf16"
+    if {"avx512_vnni", "amx_int8", "amx_tile"} <= flags:
+        return "amx", "decode_matmul.c, int8 digits by VNNI and AMX tiles: the CPU has amx_int8"
     if "avx512_bf16" in flags:
         return "bf16dot", "decode_matmul.c, the bf16 dot instruction: the CPU has avx512_bf16"
     if "avx2" in flags:

@@ -174,8 +174,8 @@ class Llama(torch.nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  int4: dict | None = None, native_matmuls: bool | str | None = None):
         """native_matmuls: how the packed weights are multiplied, one of native.MATMUL_MODES ("int":
-        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one; "amx": its AMX one;
-        "torch": torch's int4 kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by
+        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one;
+        "vnni": its int8 digit kernel; "amx": that kernel with AMX tiles from 8 rows (the same bits); "torch": torch's int4 kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by
         default by the CPU); attention and the row-wise ops are native either way, where the library
         builds."""
         super().__init__()
@@ -208,10 +208,16 @@ class Llama(torch.nn.Module):
             raise ValueError(f"native_matmuls={native_matmuls!r}: use one of {native.MATMUL_MODES}, True or False")
         if mode == "amx" and self.kernels is not None and not self.kernels.has_amx:
             # A library or a kernel without it (GCC < 11, or Linux < 5.16, which cannot grant the tile state;
-            # or no AMX_BF16 under HANDOFF_NATIVE_MATMUL=amx): the bf16 dot kernel where it runs.
+            # or no AMX_INT8 under HANDOFF_NATIVE_MATMUL=amx): the same kernel's vector half, whose bits
+            # are the same, where it runs.
             log.warning("decode's packed-weight matmuls: the native library cannot run its AMX kernel here "
-                        "(this CPU has no AMX_BF16, the kernel did not grant the tile state, or the library "
-                        "was built without the kernel); using the bf16 dot kernel instead")
+                        "(this CPU has no AMX_INT8, the kernel did not grant the tile state, or the library "
+                        "was built without the kernel); using its AVX512_VNNI half instead")
+            mode = "vnni"
+        if mode == "vnni" and self.kernels is not None and not self.kernels.has_vnni:
+            log.warning("decode's packed-weight matmuls: the native library cannot run its VNNI kernel here "
+                        "(this CPU has no AVX512_VNNI, or the library was built without the kernel); using "
+                        "the bf16 dot kernel instead")
             mode = "bf16dot"
         if mode == "bf16dot" and self.kernels is not None and not self.kernels.has_bf16dot:
             # A library without it (a compiler other than GCC >= 10 on a host without AVX512_BF16, or a CPU

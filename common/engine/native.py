@@ -55,7 +55,7 @@ def march_flags(march: str) -> list[str]:
 PORTABLE_FLAGS = march_flags("x86-64-v3")
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
 # 1 (or int): the packed weights go through decode_matmul.c's integer kernel; bf16: through its bf16 dot
-# kernel; f32: through its fp32 one; 0: through torch's int4 kernel (and the int8 head through
+# kernel; f32: through its fp32 one; vnni / amx: through its int8 digit kernels; 0: through torch's int4 kernel (and the int8 head through
 # torch._int_mm), attention and the row-wise ops staying native; auto (unset): by the CPU
 # (hardware.auto_matmuls).
 ENV_MATMUL = "HANDOFF_NATIVE_MATMUL"
@@ -86,9 +86,12 @@ SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # decode_matmul.c: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is
 # bf16, y's row stride, threads
 # decode_matmul.c's kernels for the packed Q4 weights, in decode_layers.c's numbering (Q4_INDEX)
-Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_matmul_f32", "amx": "q4_matmul_amx"}
+Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_matmul_f32", "amx": "q4_matmul_amx",
+              "vnni": "q4_matmul_vnni"}
 Q4_INDEX = {kernel: i for i, kernel in enumerate(Q4_KERNELS)}
-MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I] for name in Q4_KERNELS.values()},
+# Not a mode: the AMX kernel with its tiles at every batch size, for the tests (q4_matmul's kernel="amx_tiles")
+Q4_ENTRIES = {**Q4_KERNELS, "amx_tiles": "q4_matmul_amx_tiles"}
+MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I] for name in Q4_ENTRIES.values()},
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
 # decode_logits.c: logits, rows, vocab, hidden, head, dim, k, threads; x, rows, cols, out, threads
 LOGITS_ARGS = {"refine_top": [_P, _I, _I, _P, _P, _I, _I, _I], "argmax_rows": [_P, _I, _I, _P, _I]}
@@ -220,7 +223,9 @@ class DecodeKernels:
         # The bf16 dot kernel runs where the CPU has AVX512_BF16 (a GCC build carries it for any AVX2
         # target, the portable one included); elsewhere it answers -ENOSYS.
         self.has_bf16dot = self._matmuls["q4_matmul_bf16dot"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
-        # The AMX kernel, where the CPU has AMX_BF16 and the OS grants the tile state (same kind of build).
+        # The int8 digit kernels (GCC 11 or later, any AVX2 build): by the vector unit where the CPU has
+        # AVX512_VNNI, and by AMX tiles where it also has AMX_INT8 and the OS grants the tile state.
+        self.has_vnni = self._matmuls["q4_matmul_vnni"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
         self.has_amx = self._matmuls["q4_matmul_amx"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
 
     @staticmethod
@@ -279,8 +284,10 @@ class DecodeKernels:
     def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str = "int") -> torch.Tensor:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
         blocks as `pack_q4` lays them out. kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
-        (the bf16 dot instruction, `has_bf16dot`) or "f32" (fp32 FMAs)."""
-        return self._matmul(Q4_KERNELS[kernel], x, (packed,), out_features, x.dtype)
+        (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni" (integer products by int8
+        digits, `has_vnni`) or "amx" (those by AMX tiles from 8 rows, the same bits, `has_amx`); or
+        "amx_tiles" (the tiles at any batch, for tests)."""
+        return self._matmul(Q4_ENTRIES[kernel], x, (packed,), out_features, x.dtype)
 
     def q8_matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [rows, in] (fp32 or bf16) @ (codes * scale[:, None])^T → fp32 [rows, out], as `pack_q8` lays
@@ -366,9 +373,9 @@ MATMUL_MODES = ("torch", *Q4_KERNELS)
 def matmuls_mode() -> tuple[str, str]:
     """How decode's packed-weight matmuls run, and why (HANDOFF_NATIVE_MATMUL, else by the CPU): "torch"
     (torch's int4 kernel and torch._int_mm), or one of decode_matmul.c's kernels: "int" (integer
-    products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs), "amx" (AMX
-    tiles, CPUs with AMX_BF16). Raises
-    ValueError on a value it does not know."""
+    products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs), "vnni"
+    (integer products by int8 digits, CPUs with AVX512_VNNI), "amx" (those by AMX tiles from 8 rows, CPUs
+    with AMX_INT8). Raises ValueError on a value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
     if value in OFF:
         return "torch", f"torch's int4 kernel ({ENV_MATMUL}={value})"
@@ -379,12 +386,15 @@ def matmuls_mode() -> tuple[str, str]:
     if value in ("f32", "fp32"):
         return "f32", f"decode_matmul.c, fp32 products ({ENV_MATMUL}={value})"
     if value == "amx":
-        return "amx", f"decode_matmul.c, AMX tiles ({ENV_MATMUL}={value})"
+        return "amx", f"decode_matmul.c, int8 digits by AMX tiles ({ENV_MATMUL}={value})"
+    if value == "vnni":
+        return "vnni", f"decode_matmul.c, int8 digits by AVX512_VNNI ({ENV_MATMUL}={value})"
     if value in ("", "auto"):
         return auto_matmuls()
     raise ValueError(f"{ENV_MATMUL}={value!r}: use 1 or int (decode_matmul.c, integer products), bf16 "
-                     "(decode_matmul.c, the bf16 dot instruction), f32 (decode_matmul.c, fp32 products), amx "
-                     "(decode_matmul.c, AMX tiles), 0 (torch's int4 kernel) or auto")
+                     "(decode_matmul.c, the bf16 dot instruction), f32 (decode_matmul.c, fp32 products), vnni "
+                     "(decode_matmul.c, int8 digits by AVX512_VNNI), amx (the same by AMX tiles), 0 (torch's "
+                     "int4 kernel) or auto")
 
 
 @functools.cache
