@@ -33,14 +33,18 @@ def _q4_weight(out_features: int, in_features: int, seed: int = 0):
     return codes, d, m, dense
 
 
-def _q4_case(dtype: torch.dtype):
-    """102 outputs (the last quad padded) of random Q4 weights, packed and dense, and 7 rows of x with an
-    outlier channel, as SmolLM2 has (it coarsens only its own block in the integer kernel)."""
+def _q4_case(dtype: torch.dtype, kernel: str = "int"):
+    """102 outputs (the last quad padded) of random Q4 weights, packed for `kernel` and dense, and 7 rows of
+    x with an outlier channel, as SmolLM2 has (it coarsens only its own block in the integer kernel)."""
     codes, d, m, dense = _q4_weight(102, 576)
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(7, 576, generator=gen) * torch.rand(1, 576, generator=gen) * 4).to(dtype)
     x[2, 40] = 300.0
-    return native.pack_q4(codes, d, m), dense, x
+    return _pack(codes, d, m, kernel), dense, x
+
+
+def _pack(codes, d, m, kernel: str = "int") -> torch.Tensor:
+    return native.pack_q4(codes, d, m, interleave=native.Q4_INTERLEAVE[kernel])
 
 
 def _quant_error_bound(x: torch.Tensor, dense: np.ndarray, limit: float = XQ_MAX) -> np.ndarray:
@@ -159,7 +163,7 @@ def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
     weight, or NaN), as a float product's would be; the other rows keep their bits."""
     k = _kernels_for(kernel)
     codes, d, m, _ = _q4_weight(40, 576, seed=6)
-    packed = native.pack_q4(codes, d, m)
+    packed = _pack(codes, d, m, kernel)
     x = torch.randn(3, 576)
     clean = k.q4_matmul(x, packed, 40, kernel)
     for bad in (float("nan"), float("inf"), float("-inf")):
@@ -209,6 +213,7 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
     assert other.has_vnni == (k.has_vnni and march == "x86-64-v3")
     assert other.has_amx == (k.has_amx and march == "x86-64-v3")
     digit_kernels = ["vnni"] * other.has_vnni + ["amx", "amx_tiles"] * other.has_amx
+    packed = _pack(codes, d, m, "vnni")
     for kernel in digit_kernels:
         for rows in (1, 17):
             for dtype in (torch.float32, torch.bfloat16):
@@ -290,7 +295,7 @@ def test_q4_by_int8_digits_is_the_files_weights_times_x_within_the_quantization_
     kernel's bound at that step, far closer than bf16 activations; a bf16 result is the fp32 one rounded
     (the bits torch's conversion gives), and an fp32 x that bf16 holds exactly gives the bf16 x's result."""
     k = _kernels_for(kernel)
-    packed, dense, x = _q4_case(dtype)
+    packed, dense, x = _q4_case(dtype, kernel)
     y = k.q4_matmul(x, packed, 102, kernel=kernel)
     assert y.shape == (7, 102) and y.dtype == dtype
     exact = x.double().numpy() @ dense.T
@@ -354,7 +359,7 @@ def test_q4_by_int8_digits_gives_a_row_the_same_bits_whatever_the_batch_the_unit
     groups of 16 and one of 8 (two quads, the others zero)."""
     k = _amx_kernels()
     codes, d, m, _ = _q4_weight(200, 1536, seed=3)
-    packed = native.pack_q4(codes, d, m)
+    packed = _pack(codes, d, m, "amx")
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(40, 1536, generator=gen) * 3).to(torch.bfloat16)
     kernels = {kernel: (lambda x, kernel=kernel: k.q4_matmul(x, packed, 200, kernel=kernel))
@@ -371,7 +376,7 @@ def test_q4_by_amx_tiles_is_unchanged_by_torchs_own_amx_work_between_calls():
     each call loads ours again (llama.cpp kept one a thread and crashed here: docs/benchmarks.md)."""
     k = _amx_kernels()
     codes, d, m, _ = _q4_weight(64, 576, seed=9)
-    packed = native.pack_q4(codes, d, m)
+    packed = _pack(codes, d, m, "amx")
     x = (torch.randn(12, 576) * 2).to(torch.bfloat16)
     first = k.q4_matmul(x, packed, 64, kernel="amx")  # 12 rows: the tiles
     a, b = torch.randn(48, 1024, dtype=torch.bfloat16), torch.randn(1024, 96, dtype=torch.bfloat16)

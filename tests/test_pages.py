@@ -64,6 +64,13 @@ def test_packing_into_an_arena_gives_the_same_bytes():
     codes, d, m, _ = _q4_weight(102, 576)
     arena = pages.WeightArena()
     assert torch.equal(native.pack_q4(codes, d, m, arena), native.pack_q4(codes, d, m))
+    # The int8 digit kernels' order: the same quad records, 4 quads' side by side a block, zero-padded
+    quads = native.pack_q4(codes, d, m)  # [26 quads, 18 blocks, 80]
+    side_by_side = native.pack_q4(codes, d, m, arena, interleave=4)
+    assert torch.equal(side_by_side, native.pack_q4(codes, d, m, interleave=4))
+    assert side_by_side.shape == (7, 18, 320)
+    regrouped = side_by_side.view(7, 18, 4, 80).transpose(1, 2).reshape(28, 18, 80)
+    assert torch.equal(regrouped[:26], quads) and not regrouped[26:].any()
     rng = np.random.default_rng(3)
     q8 = torch.from_numpy(rng.integers(-127, 128, (102, 576), dtype=np.int8))
     scales = torch.rand(102)

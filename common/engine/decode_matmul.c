@@ -970,24 +970,19 @@ static int amx_ready(void) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
 
-/* Block b of the group of quads q0 .. q0 + n - 1 (the rest of the group's 4 zero): w[k] dword n = output n's
+/* Block b of group g (its 4 quads' records side by side: pack_q4's interleave): w[k] dword n = output n's
  * codes of inputs 4k .. 4k + 3, a byte each (k < 4: the low nibbles of the quad record's code dword k; k >= 4:
  * the high nibbles of dword k - 4, inputs 16 + ...); its 16 d and 16 m in fp32. */
-static inline __attribute__((always_inline)) void digit_codes(const job_t *j, int64_t q0, int n, int64_t b,
-                                                              __m512i w[8], __m512 *d, __m512 *m) {
+static inline __attribute__((always_inline)) void digit_codes(const job_t *j, int64_t g, int64_t b, __m512i w[8],
+                                                              __m512 *d, __m512 *m) {
+    const uint8_t *rec = j->w.packed + (g * (j->w.in / GROUP) + b) * DIGIT_QUADS * Q4_RECORD;
+    for (int line = 0; line < DIGIT_QUADS * Q4_RECORD; line += 64) PREFETCH(rec + line);
     __m512i z[DIGIT_QUADS];
     uint64_t dq[DIGIT_QUADS], mq[DIGIT_QUADS];
-    for (int q = 0; q < DIGIT_QUADS; q++) {
-        if (q < n) {
-            const uint8_t *rec = record(&j->w, q0 + q, b);
-            PREFETCH(rec);
-            z[q] = _mm512_loadu_si512(rec);
-            memcpy(&dq[q], rec + 64, 8);
-            memcpy(&mq[q], rec + 72, 8);
-        } else {
-            z[q] = _mm512_setzero_si512();
-            dq[q] = mq[q] = 0;
-        }
+    for (int q = 0; q < DIGIT_QUADS; q++, rec += Q4_RECORD) {
+        z[q] = _mm512_loadu_si512(rec);
+        memcpy(&dq[q], rec + 64, 8);
+        memcpy(&mq[q], rec + 72, 8);
     }
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     for (int k = 0; k < 4; k++) {
@@ -1030,7 +1025,7 @@ static inline __attribute__((always_inline)) void digit_store(const job_t *j, in
 }
 
 #define DEFINE_TILE_VNNI(RT)                                                                           \
-static void tile_vnni_##RT(const job_t *j, int64_t r0, int64_t q0, int n) {                           \
+static void tile_vnni_##RT(const job_t *j, int64_t r0, int64_t g) {                                    \
     const int64_t blocks = j->w.in / GROUP;                                                            \
     const float *sx = j->sx, *sumx = j->sumx;                                                          \
     __m512 acc[RT], accm[RT];                                                                          \
@@ -1038,7 +1033,7 @@ static void tile_vnni_##RT(const job_t *j, int64_t r0, int64_t q0, int n) {     
     for (int64_t b = 0; b < blocks; b++) {                                                             \
         __m512i w[8];                                                                                  \
         __m512 d, m;                                                                                   \
-        digit_codes(j, q0, n, b, w, &d, &m);                                                           \
+        digit_codes(j, g, b, w, &d, &m);                                                               \
         for (int r = 0; r < RT; r++) {                                                                 \
             const int64_t at = (r0 + r) * blocks + b;                                                  \
             const dword_t *xd = (const dword_t *)(j->xd + at * XD_BLOCK);                              \
@@ -1054,7 +1049,7 @@ static void tile_vnni_##RT(const job_t *j, int64_t r0, int64_t q0, int n) {     
             digit_scale(s, d, m, sx[at], sumx[at], &acc[r], &accm[r]);                                 \
         }                                                                                              \
     }                                                                                                  \
-    for (int r = 0; r < RT; r++) digit_store(j, r0 + r, q0, acc[r], accm[r]);                          \
+    for (int r = 0; r < RT; r++) digit_store(j, r0 + r, g * DIGIT_QUADS, acc[r], accm[r]);             \
 }
 DEFINE_TILE_VNNI(4)
 DEFINE_TILE_VNNI(3)
@@ -1063,16 +1058,13 @@ DEFINE_TILE_VNNI(1)
 
 static int groups_vnni(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
     (void)x_rows;
-    const int64_t nq = quads(&j->w);
     for (int64_t g = g_begin; g < g_end; g++) {
-        const int64_t q0 = g * DIGIT_QUADS;
-        const int n = (int)(nq - q0 < DIGIT_QUADS ? nq - q0 : DIGIT_QUADS);
         int64_t r = 0;
-        for (; r + 4 <= j->rows; r += 4) tile_vnni_4(j, r, q0, n);
+        for (; r + 4 <= j->rows; r += 4) tile_vnni_4(j, r, g);
         switch (j->rows - r) {
-        case 3: tile_vnni_3(j, r, q0, n); break;
-        case 2: tile_vnni_2(j, r, q0, n); break;
-        case 1: tile_vnni_1(j, r, q0, n); break;
+        case 3: tile_vnni_3(j, r, g); break;
+        case 2: tile_vnni_2(j, r, g); break;
+        case 1: tile_vnni_1(j, r, g); break;
         }
     }
     return 0;
@@ -1153,7 +1145,7 @@ DEFINE_AMX_ROWS(8)
 
 /* x_rows: j->xd's, j->sx's and j->sumx's rows, a multiple of 16 (the rest zero). */
 static int groups_amx(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
-    const int64_t rows = j->rows, nq = quads(&j->w), blocks = j->w.in / GROUP;
+    const int64_t rows = j->rows, blocks = j->w.in / GROUP;
     amx_block_t *blk = aligned_alloc(64, (size_t)blocks * sizeof *blk);
     if (!blk) return -ENOMEM;
     __attribute__((aligned(64))) int32_t c[2][2 * AMX_ROWS * DIGIT_OUTPUTS];
@@ -1161,8 +1153,7 @@ static int groups_amx(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g
     amx_configure(AMX_ROWS);
     for (int64_t g = g_begin; g < g_end; g++) {
         const int64_t q0 = g * DIGIT_QUADS;
-        const int n = (int)(nq - q0 < DIGIT_QUADS ? nq - q0 : DIGIT_QUADS);
-        for (int64_t b = 0; b < blocks; b++) digit_codes(j, q0, n, b, blk[b].b, &blk[b].d, &blk[b].m);
+        for (int64_t b = 0; b < blocks; b++) digit_codes(j, g, b, blk[b].b, &blk[b].d, &blk[b].m);
         for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROWS) {
             const int count = (int)(rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS);
             if (count <= 8) amx_rows_8(j, blk, r0, count, q0, c);

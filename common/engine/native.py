@@ -91,6 +91,8 @@ Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_mat
 Q4_INDEX = {kernel: i for i, kernel in enumerate(Q4_KERNELS)}
 # Not a mode: the AMX kernel with its tiles at every batch size, for the tests (q4_matmul's kernel="amx_tiles")
 Q4_ENTRIES = {**Q4_KERNELS, "amx_tiles": "q4_matmul_amx_tiles"}
+# pack_q4's interleave for each kernel: the int8 digit kernels read 4 quads (16 outputs) a block together
+Q4_INTERLEAVE = {kernel: 4 if kernel in ("vnni", "amx", "amx_tiles") else 1 for kernel in Q4_ENTRIES}
 MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I] for name in Q4_ENTRIES.values()},
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
 # decode_logits.c: logits, rows, vocab, hidden, head, dim, k, threads; x, rows, cols, out, threads
@@ -100,14 +102,17 @@ QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleav
 GROUP = 32
 
 
-def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray,
-            arena: WeightArena | None = None) -> torch.Tensor:
+def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, arena: WeightArena | None = None,
+            interleave: int = 1) -> torch.Tensor:
     """GGUF Q4 weights (codes [out, in] in 0..15; scales and mins [out, in / 32], fp16-exact values) →
     decode_matmul.c's layout: [quads, in / 32, 80] bytes, per block the four outputs' 16 code bytes (input j
-    in byte j's low nibble, j + 16 in its high one), their four fp16 d, their four fp16 m. In `arena`'s
-    memory where one is given."""
+    in byte j's low nibble, j + 16 in its high one), their four fp16 d, their four fp16 m. interleave > 1
+    (the int8 digit kernels' Q4_INTERLEAVE): that many quads' records of a block side by side, [quads /
+    interleave, in / 32, interleave * 80], the quads padded with zero weights to a multiple of it, so that a
+    kernel reading a group of quads block by block reads one sequential stream. In `arena`'s memory where
+    one is given."""
     out_features, in_features = codes.shape
-    pad = -out_features % QUAD
+    pad = -out_features % (QUAD * interleave)
     blocks = in_features // GROUP
 
     def quads(a: np.ndarray) -> np.ndarray:  # [out, blocks, ...] → [quads, blocks, 4, ...]
@@ -119,11 +124,14 @@ def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray,
     d = np.ascontiguousarray(quads(scales.astype(np.float16))).view(np.uint8)  # [quads, blocks, 8]
     m = np.ascontiguousarray(quads(mins.astype(np.float16))).view(np.uint8)
     n = qs.shape[0]
-    parts = [qs.reshape(n, blocks, 64), d, m]
+    records = np.concatenate([qs.reshape(n, blocks, 64), d, m], axis=-1)  # [quads, blocks, 80]
+    if interleave > 1:
+        records = records.reshape(n // interleave, interleave, blocks, Q4_RECORD).swapaxes(1, 2).reshape(
+            n // interleave, blocks, interleave * Q4_RECORD)
     if arena is None:
-        return torch.from_numpy(np.concatenate(parts, axis=-1))
-    packed = arena.take(n * blocks * Q4_RECORD).view(n, blocks, Q4_RECORD)
-    np.concatenate(parts, axis=-1, out=packed.numpy())
+        return torch.from_numpy(np.ascontiguousarray(records))
+    packed = arena.take(records.nbytes).view(records.shape)
+    packed.numpy()[...] = records
     return packed
 
 
@@ -283,7 +291,7 @@ class DecodeKernels:
 
     def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str = "int") -> torch.Tensor:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
-        blocks as `pack_q4` lays them out. kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
+        blocks as `pack_q4` lays them out with the kernel's Q4_INTERLEAVE. kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
         (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni" (integer products by int8
         digits, `has_vnni`) or "amx" (those by AMX tiles from 8 rows, the same bits, `has_amx`); or
         "amx_tiles" (the tiles at any batch, for tests)."""
