@@ -26,8 +26,9 @@
  * faster at 32. The fp32 kernel (any AVX2 CPU) dequantizes a block once for every row of a batch, so a
  * row costs about the products alone, where the integer kernel pays its products and the per-block
  * scaling again for every row; at one row the integer kernel is the cheaper of those two
- * (native.matmuls_mode picks per CPU). Last, the AMX kernel: the bf16 dot kernel's products by the tile
- * unit, a block of 16 outputs by up to 16 rows an instruction.
+ * (native.matmuls_mode picks per CPU). Last, the int8 digit kernels (AVX512_VNNI, AMX_INT8): the integer
+ * kernel's exact products with x's 16-bit integers split into two bytes, by vpdpbusd or by the tile unit
+ * with the same bits, reading 4 quads side by side (pack_q4's interleave).
  *
  * Invariant 4 (a row's result never depends on the other rows): a row is quantized alone, and every
  * (row, output) pair runs the same operations in the same order whatever the batch, the tiling or the
@@ -892,8 +893,9 @@ static int run(const job_t *j, int64_t threads) {
 #define XD_BLOCK 64      /* a row's bytes a block: its 32 high digits, then its 32 low ones */
 #define AMX_ROWS 16      /* a tile's rows */
 /* Below this many rows q4_matmul_amx runs the vector kernel. The 120 matmuls of a SmolLM2 step on the Intel
- * VM (amx_int8, 2 threads): see docs/benchmarks.md. */
-#define AMX_MIN_ROWS 8
+ * VM (2 threads), vector against tiles, weights cold: 7.33 / 8.13 ms at 8 rows, 8.66 / 8.86 at 10, 10.12 /
+ * 9.58 at 12, 12.11 / 9.78 at 16; in L3: 6.05 / 6.70 at 8, 8.38 / 7.72 at 12. */
+#define AMX_MIN_ROWS 11
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a dynamically enabled state component */
 #define XFEATURE_XTILEDATA 18
 /* DIGIT_PREFETCH: a group's block is one 320-byte stream (pack_q4's interleave: 4 separate quad streams

@@ -293,7 +293,7 @@ class DecodeKernels:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
         blocks as `pack_q4` lays them out with the kernel's Q4_INTERLEAVE. kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
         (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni" (integer products by int8
-        digits, `has_vnni`) or "amx" (those by AMX tiles from 8 rows, the same bits, `has_amx`); or
+        digits, `has_vnni`) or "amx" (those by AMX tiles from 11 rows, the same bits, `has_amx`); or
         "amx_tiles" (the tiles at any batch, for tests)."""
         return self._matmul(Q4_ENTRIES[kernel], x, (packed,), out_features, x.dtype)
 
@@ -382,7 +382,7 @@ def matmuls_mode() -> tuple[str, str]:
     """How decode's packed-weight matmuls run, and why (HANDOFF_NATIVE_MATMUL, else by the CPU): "torch"
     (torch's int4 kernel and torch._int_mm), or one of decode_matmul.c's kernels: "int" (integer
     products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs), "vnni"
-    (integer products by int8 digits, CPUs with AVX512_VNNI), "amx" (those by AMX tiles from 8 rows, CPUs
+    (integer products by int8 digits, CPUs with AVX512_VNNI), "amx" (those by AMX tiles from 11 rows, CPUs
     with AMX_INT8). Raises ValueError on a value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
     if value in OFF:
