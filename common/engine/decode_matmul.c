@@ -28,7 +28,7 @@
  * scaling again for every row; at one row the integer kernel is the cheaper of those two
  * (native.matmuls_mode picks per CPU). Last, the int8 digit kernels (AVX512_VNNI, AMX_INT8): the integer
  * kernel's exact products with x's 16-bit integers split into two bytes, by vpdpbusd or by the tile unit
- * with the same bits, reading 4 quads side by side (pack_q4's interleave).
+ * with the same bits, reading weights packed in their own order (pack_q4's digits layout).
  *
  * Invariant 4 (a row's result never depends on the other rows): a row is quantized alone, and every
  * (row, output) pair runs the same operations in the same order whatever the batch, the tiling or the
@@ -879,10 +879,10 @@ static int run(const job_t *j, int64_t threads) {
  * reduction across lanes; the tile kernel (tdpbssd) stores the same 8 registers as the B tile and does 16
  * rows per instruction. The integer sums are exact whatever the unit's order, and the fp32 steps after them
  * are the same instructions in the same order, so both give the same bits: q4_matmul_amx takes a batch of
- * fewer than AMX_MIN_ROWS rows to the vector kernel (one row costs the tile unit a store and reload of B per
- * block) and a larger one to the tiles, and invariant 4 holds across the switch (a row's result does not
- * depend on the batch's size). */
-#if defined(MATMUL_AVX2) && defined(MATMUL_BF16DOT) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+ * fewer than AMX_MIN_ROWS rows to the vector kernel (too few rows to share the tile unit's fixed cost a
+ * block: B stored and loaded, C stored and read back) and a larger one to the tiles, and invariant 4 holds
+ * across the switch (a row's result does not depend on the batch's size). */
+#if defined(MATMUL_AVX2) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define MATMUL_DIGITS 1
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -891,17 +891,20 @@ static int run(const job_t *j, int64_t threads) {
 #define DIGIT_QUADS (DIGIT_OUTPUTS / QUAD)
 #define XD_MAX 32639.0f  /* 127 * 256 + 127: both digits of every |xq| <= XD_MAX fit a signed byte */
 #define XD_BLOCK 64      /* a row's bytes a block: its 32 high digits, then its 32 low ones */
+#define DIGIT_RECORD 320 /* a group's bytes a block (pack_q4's digits layout): 256 of codes, 16 d, 16 m */
 #define AMX_ROWS 16      /* a tile's rows */
-/* Below this many rows q4_matmul_amx runs the vector kernel. The 120 matmuls of a SmolLM2 step on the Intel
- * VM (2 threads), vector against tiles, weights cold: 7.33 / 8.13 ms at 8 rows, 8.66 / 8.86 at 10, 10.12 /
- * 9.58 at 12, 12.11 / 9.78 at 16; in L3: 6.05 / 6.70 at 8, 8.38 / 7.72 at 12. */
-#define AMX_MIN_ROWS 11
+/* Below this many rows q4_matmul_amx runs the vector kernel: the tiles cost the same up to 16 rows (a tile
+ * padded with zero rows), the vector kernel a row's worth more with each row; the 120 matmuls of a SmolLM2
+ * step on the Intel VM cross there (docs/benchmarks.md). */
+#define AMX_MIN_ROWS 13
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a dynamically enabled state component */
 #define XFEATURE_XTILEDATA 18
-/* DIGIT_PREFETCH: a group's block is one 320-byte stream (pack_q4's interleave: 4 separate quad streams
- * left a cold one-row pass of a step's 120 matmuls 1.2x slower in the engine than the bf16 dot kernel's), its
- * lines asked for PREFETCH_AHEAD bytes ahead into L2 rather than L1: cold (the weights evicted from the
- * Intel VM's 480 MiB L3 before each pass) 4.32-4.42 against 5.01-5.11 ms, three alternating runs each. */
+/* A group's blocks are one stream (with the 4 quads' records apart, as the other kernels read them, a one-row
+ * step in the engine took 4.0-4.2 ms against the bf16 dot kernel's 3.7-3.8), its lines asked for PREFETCH_AHEAD
+ * bytes ahead into L2 (prefetcht1) rather than L1: a one-row pass of a step's 120 matmuls, cold (the weights
+ * evicted from the Intel VM's 480 MiB L3 before each pass), 4.32-4.42 against 5.01-5.11 ms, three
+ * alternating runs each. */
+#define DIGIT_PREFETCH(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 2)
 
 typedef int32_t __attribute__((may_alias, aligned(1))) dword_t; /* four digits, read as one broadcast */
 
@@ -976,33 +979,21 @@ static int amx_ready(void) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
 
-/* Block b of group g (its 4 quads' records side by side: pack_q4's interleave): w[k] dword n = output n's
- * codes of inputs 4k .. 4k + 3, a byte each (k < 4: the low nibbles of the quad record's code dword k; k >= 4:
- * the high nibbles of dword k - 4, inputs 16 + ...); its 16 d and 16 m in fp32. */
+/* Block b of group g (pack_q4's digits layout: 320 bytes a block): w[k] dword n = output n's codes of inputs
+ * 4k .. 4k + 3, a byte each (k < 4: chunk k's low nibbles; k >= 4: chunk k - 4's high nibbles, inputs 16 +
+ * ...); its 16 d and 16 m in fp32. */
 static inline __attribute__((always_inline)) void digit_codes(const job_t *j, int64_t g, int64_t b, __m512i w[8],
                                                               __m512 *d, __m512 *m) {
-    const uint8_t *rec = j->w.packed + (g * (j->w.in / GROUP) + b) * DIGIT_QUADS * Q4_RECORD;
-    for (int line = 0; line < DIGIT_QUADS * Q4_RECORD; line += 64) /* into L2 (prefetcht1): see DIGIT_PREFETCH */
-        __builtin_prefetch(rec + line + PREFETCH_AHEAD, 0, 2);
-    __m512i z[DIGIT_QUADS];
-    uint64_t dq[DIGIT_QUADS], mq[DIGIT_QUADS];
-    for (int q = 0; q < DIGIT_QUADS; q++, rec += Q4_RECORD) {
-        z[q] = _mm512_loadu_si512(rec);
-        memcpy(&dq[q], rec + 64, 8);
-        memcpy(&mq[q], rec + 72, 8);
-    }
+    const uint8_t *rec = j->w.packed + (g * (j->w.in / GROUP) + b) * DIGIT_RECORD;
+    for (int line = 0; line < DIGIT_RECORD; line += 64) DIGIT_PREFETCH(rec + line);
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     for (int k = 0; k < 4; k++) {
-        /* dwords 0-7: dword k of outputs 0-3 of the first quad, then of the second's */
-        const __m512i idx = _mm512_setr_epi32(k, 4 + k, 8 + k, 12 + k, 16 + k, 20 + k, 24 + k, 28 + k, 0, 0, 0, 0, 0,
-                                              0, 0, 0);
-        const __m512i row = _mm512_shuffle_i64x2(_mm512_permutex2var_epi32(z[0], idx, z[1]),
-                                                 _mm512_permutex2var_epi32(z[2], idx, z[3]), 0x44);
-        w[k] = _mm512_and_si512(row, nibble);
-        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(row, 4), nibble);
+        const __m512i c = _mm512_loadu_si512(rec + 64 * k);
+        w[k] = _mm512_and_si512(c, nibble);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
     }
-    *d = _mm512_cvtph_ps(_mm256_setr_epi64x((long long)dq[0], (long long)dq[1], (long long)dq[2], (long long)dq[3]));
-    *m = _mm512_cvtph_ps(_mm256_setr_epi64x((long long)mq[0], (long long)mq[1], (long long)mq[2], (long long)mq[3]));
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
+    *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
 }
 
 /* One block's exact sums S of a row into its accumulators: the step both kernels share, so the same bits. */
@@ -1133,7 +1124,8 @@ static void amx_rows_##RT(const job_t *j, const amx_block_t *blk, int64_t r0, in
     __m512 acc[RT], accm[RT];                                                                          \
     for (int r = 0; r < RT; r++) acc[r] = accm[r] = _mm512_setzero_ps();                               \
     for (int64_t b = 0; b < blocks; b++)                                                               \
-        for (int r = 0; r < RT; r++) accm[r] = _mm512_fmadd_ps(blk[b].m, _mm512_set1_ps(sumx[r * blocks + b]), accm[r]); \
+        for (int r = 0; r < RT; r++)                                                                   \
+            accm[r] = _mm512_fmadd_ps(blk[b].m, _mm512_set1_ps(sumx[r * blocks + b]), accm[r]);        \
     amx_products(&blk[0], xd, x_stride, c[0]);                                                         \
     for (int64_t b = 0; b < blocks; b++) {                                                             \
         if (b + 1 < blocks) amx_products(&blk[b + 1], xd + (b + 1) * XD_BLOCK, x_stride, c[(b + 1) & 1]); \
@@ -1200,9 +1192,9 @@ static int matmul_digits(int tiles, const void *x, int x_bf16, int64_t x_stride,
     digits_t dg;
     const int err0 = digits_prepare(x, x_bf16, x_stride, rows, x_rows, in, threads, &dg);
     if (err0) return err0;
-    job_t j = {{tiles ? FORMAT_Q4_AMX : FORMAT_Q4_VNNI, packed, NULL, out, in}, NULL, dg.sx, dg.sx + x_rows * blocks,
-               NULL, NULL, rows, y, y_stride, y_bf16};
-    j.xd = dg.xd;
+    const job_t j = {.w = {tiles ? FORMAT_Q4_AMX : FORMAT_Q4_VNNI, packed, NULL, out, in}, .sx = dg.sx,
+                     .sumx = dg.sx + x_rows * blocks, .rows = rows, .y = y, .y_stride = y_stride, .y_bf16 = y_bf16,
+                     .xd = dg.xd};
     const int err = run_groups(tiles ? groups_amx : groups_vnni, &j, x_rows, threads);
     free(dg.xd);
     free(dg.sx);
@@ -1227,9 +1219,9 @@ static int matmul(weight_t w, const void *x, int x_bf16, int64_t x_stride, int64
     const size_t elem = x_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, w.in, XQ_MAX, xq + r * w.in, sx + r * blocks,
-                     sx + (rows + r) * blocks);
-    job_t j = {w, xq, sx, sx + rows * blocks, NULL, NULL, rows, y, y_stride, y_bf16};
+        quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, w.in, XQ_MAX, xq + r * w.in,
+                     sx + r * blocks, sx + (rows + r) * blocks);
+    job_t j = {w, xq, sx, sx + rows * blocks, NULL, NULL, rows, y, y_stride, y_bf16, NULL};
     const int err = run(&j, threads);
     free(xq);
     free(sx);
@@ -1260,7 +1252,7 @@ int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const i
     for (int64_t r = 0; r < rows; r++)
         quantize_row_q8((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, in, xq + r * in, sx + r);
     job_t j = {{FORMAT_Q8, (const uint8_t *)packed, scale, out, in}, xq, sx, NULL, NULL, NULL, rows, y, y_stride,
-               y_bf16};
+               y_bf16, NULL};
     const int err = run(&j, threads);
     free(xq);
     free(sx);
@@ -1292,7 +1284,7 @@ int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows,
                                         : f32_to_bf16(((const float *)x)[r * x_stride + k]);
         lane_sums_bf16dot(xr + r * in, in, sums + r * blocks * BF16DOT_SUMS);
     }
-    job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, NULL, sums, xr, NULL, rows, y, y_stride, y_bf16};
+    job_t j = {{FORMAT_Q4_BF16DOT, packed, NULL, out, in}, NULL, NULL, sums, xr, NULL, rows, y, y_stride, y_bf16, NULL};
     const int err = run(&j, threads);
     free(xb);
     free(sums);
@@ -1319,7 +1311,7 @@ int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
                                         : ((const float *)x)[r * x_stride + k];
     }
     job_t j = {{FORMAT_Q4_F32, packed, NULL, out, in}, NULL, NULL, NULL, NULL, xf ? xf : (const float *)x,
-               rows, y, y_stride, y_bf16};
+               rows, y, y_stride, y_bf16, NULL};
     const int err = run(&j, threads);
     free(xf);
     return err;

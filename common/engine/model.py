@@ -146,7 +146,7 @@ class Int4Linear:
         self.out_features = codes.shape[0]
         if kernels is not None:
             # the file's codes and fp16 scales, exactly, in the kernel's order
-            self.packed = native.pack_q4(codes, scales, mins, arena, native.Q4_INTERLEAVE[kernel])
+            self.packed = native.pack_q4(codes, scales, mins, arena, native.Q4_LAYOUT[kernel])
             self.nbytes = self.packed.numel()
             return
         zeros = mins + 8 * scales
@@ -176,7 +176,7 @@ class Llama(torch.nn.Module):
                  int4: dict | None = None, native_matmuls: bool | str | None = None):
         """native_matmuls: how the packed weights are multiplied, one of native.MATMUL_MODES ("int":
         decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one;
-        "vnni": its int8 digit kernel; "amx": that kernel with AMX tiles from 11 rows (the same bits);
+        "vnni": its int8 digit kernel; "amx": that kernel with AMX tiles from 13 rows (the same bits);
         "torch": torch's int4 kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by
         default by the CPU); attention and the row-wise ops are native either way, where the library
         builds."""

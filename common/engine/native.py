@@ -55,9 +55,9 @@ def march_flags(march: str) -> list[str]:
 PORTABLE_FLAGS = march_flags("x86-64-v3")
 ENV_SWITCH = "HANDOFF_NATIVE_ATTENTION"
 # 1 (or int): the packed weights go through decode_matmul.c's integer kernel; bf16: through its bf16 dot
-# kernel; f32: through its fp32 one; vnni / amx: through its int8 digit kernels; 0: through torch's int4 kernel (and the int8 head through
-# torch._int_mm), attention and the row-wise ops staying native; auto (unset): by the CPU
-# (hardware.auto_matmuls).
+# kernel; f32: through its fp32 one; vnni / amx: through its int8 digit kernels; 0: through torch's int4
+# kernel (and the int8 head through torch._int_mm), attention and the row-wise ops staying native; auto
+# (unset): by the CPU (hardware.auto_matmuls).
 ENV_MATMUL = "HANDOFF_NATIVE_MATMUL"
 ENV_CACHE = "HANDOFF_NATIVE_CACHE"
 ENV_LIBRARY = "HANDOFF_NATIVE_LIBRARY"  # a prebuilt library, loaded instead of building one
@@ -91,43 +91,61 @@ Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_mat
 Q4_INDEX = {kernel: i for i, kernel in enumerate(Q4_KERNELS)}
 # Not a mode: the AMX kernel with its tiles at every batch size, for the tests (q4_matmul's kernel="amx_tiles")
 Q4_ENTRIES = {**Q4_KERNELS, "amx_tiles": "q4_matmul_amx_tiles"}
-# pack_q4's interleave for each kernel: the int8 digit kernels read 4 quads (16 outputs) a block together
-Q4_INTERLEAVE = {kernel: 4 if kernel in ("vnni", "amx", "amx_tiles") else 1 for kernel in Q4_ENTRIES}
-MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I] for name in Q4_ENTRIES.values()},
+# pack_q4's layout for each kernel: the int8 digit kernels read 16 outputs a block together, in their own order
+Q4_LAYOUT = {kernel: "digits" if kernel in ("vnni", "amx", "amx_tiles") else "quads" for kernel in Q4_ENTRIES}
+MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I]
+                  for name in Q4_ENTRIES.values()},
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
 # decode_logits.c: logits, rows, vocab, hidden, head, dim, k, threads; x, rows, cols, out, threads
 LOGITS_ARGS = {"refine_top": [_P, _I, _I, _P, _P, _I, _I, _I], "argmax_rows": [_P, _I, _I, _P, _I]}
 Q4_RECORD = 80  # bytes of one block of a quad: 4 x 16 code bytes, 4 fp16 d, 4 fp16 m
 QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleaved: one stream per tile
 GROUP = 32
+DIGIT_OUTPUTS = 16  # the int8 digit kernels' group of outputs
 
 
 def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, arena: WeightArena | None = None,
-            interleave: int = 1) -> torch.Tensor:
-    """GGUF Q4 weights (codes [out, in] in 0..15; scales and mins [out, in / 32], fp16-exact values) →
-    decode_matmul.c's layout: [quads, in / 32, 80] bytes, per block the four outputs' 16 code bytes (input j
-    in byte j's low nibble, j + 16 in its high one), their four fp16 d, their four fp16 m. interleave > 1
-    (the int8 digit kernels' Q4_INTERLEAVE): that many quads' records of a block side by side, [quads /
-    interleave, in / 32, interleave * 80], the quads padded with zero weights to a multiple of it, so that a
-    kernel reading a group of quads block by block reads one sequential stream. In `arena`'s memory where
-    one is given."""
+            layout: str = "quads") -> torch.Tensor:
+    """GGUF Q4 weights (codes [out, in] in 0..15; scales and mins [out, in / 32], fp16-exact values) → one of
+    decode_matmul.c's layouts (Q4_LAYOUT says which a kernel takes), in `arena`'s memory where one is given:
+
+    quads: [quads, in / 32, 80] bytes, per block the four outputs' 16 code bytes (input j in byte j's low
+      nibble, j + 16 in its high one, as GGUF stores them), their four fp16 d, their four fp16 m.
+    digits (the int8 digit kernels): [groups of 16 outputs, in / 32, 320] bytes, per block 4 chunks of 64
+      (chunk k, byte 4n + t: output n's input 4k + t in the low nibble, 16 + 4k + t in the high one: the
+      kernel's registers, one mask or shift away), then the 16 outputs' fp16 d, then their fp16 m. Outputs
+      padded with zero weights to a multiple of 16.
+    """
     out_features, in_features = codes.shape
-    pad = -out_features % (QUAD * interleave)
     blocks = in_features // GROUP
+    if layout == "digits":
+        pad = -out_features % DIGIT_OUTPUTS
+        c, d, m = (np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+                   for a in (codes, scales, mins))
+        groups = c.shape[0] // DIGIT_OUTPUTS
+        c = c.reshape(groups, DIGIT_OUTPUTS, blocks, 2, 4, 4).astype(np.uint8)  # [g, n, b, half, k, t]
+        nibbles = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)  # [g, b, k, n, t]
 
-    def quads(a: np.ndarray) -> np.ndarray:  # [out, blocks, ...] → [quads, blocks, 4, ...]
-        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
-        return a.reshape(-1, QUAD, blocks, *a.shape[2:]).swapaxes(1, 2)
+        def per_block(a: np.ndarray) -> np.ndarray:  # [out, blocks] → [g, b, 16 fp16 as 32 bytes]
+            a = a.astype(np.float16).reshape(groups, DIGIT_OUTPUTS, blocks).transpose(0, 2, 1)
+            return np.ascontiguousarray(a).view(np.uint8)
 
-    c = codes.reshape(out_features, blocks, 2, GROUP // 2)
-    qs = quads((c[:, :, 0] | (c[:, :, 1] << 4)).astype(np.uint8))  # [quads, blocks, 4, 16]
-    d = np.ascontiguousarray(quads(scales.astype(np.float16))).view(np.uint8)  # [quads, blocks, 8]
-    m = np.ascontiguousarray(quads(mins.astype(np.float16))).view(np.uint8)
-    n = qs.shape[0]
-    records = np.concatenate([qs.reshape(n, blocks, 64), d, m], axis=-1)  # [quads, blocks, 80]
-    if interleave > 1:
-        records = records.reshape(n // interleave, interleave, blocks, Q4_RECORD).swapaxes(1, 2).reshape(
-            n // interleave, blocks, interleave * Q4_RECORD)
+        records = np.concatenate([nibbles.reshape(groups, blocks, 256), per_block(d), per_block(m)], axis=-1)
+    elif layout == "quads":
+        pad = -out_features % QUAD
+
+        def quads(a: np.ndarray) -> np.ndarray:  # [out, blocks, ...] → [quads, blocks, 4, ...]
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+            return a.reshape(-1, QUAD, blocks, *a.shape[2:]).swapaxes(1, 2)
+
+        c = codes.reshape(out_features, blocks, 2, GROUP // 2)
+        qs = quads((c[:, :, 0] | (c[:, :, 1] << 4)).astype(np.uint8))  # [quads, blocks, 4, 16]
+        d = np.ascontiguousarray(quads(scales.astype(np.float16))).view(np.uint8)  # [quads, blocks, 8]
+        m = np.ascontiguousarray(quads(mins.astype(np.float16))).view(np.uint8)
+        n = qs.shape[0]
+        records = np.concatenate([qs.reshape(n, blocks, 64), d, m], axis=-1)  # [quads, blocks, 80]
+    else:
+        raise ValueError(f"pack_q4: layout {layout!r} is not one of quads, digits")
     if arena is None:
         return torch.from_numpy(np.ascontiguousarray(records))
     packed = arena.take(records.nbytes).view(records.shape)
@@ -291,9 +309,9 @@ class DecodeKernels:
 
     def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str = "int") -> torch.Tensor:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
-        blocks as `pack_q4` lays them out with the kernel's Q4_INTERLEAVE. kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
+        blocks as `pack_q4` lays them out for the kernel (Q4_LAYOUT). kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
         (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni" (integer products by int8
-        digits, `has_vnni`) or "amx" (those by AMX tiles from 11 rows, the same bits, `has_amx`); or
+        digits, `has_vnni`) or "amx" (those by AMX tiles from 13 rows, the same bits, `has_amx`); or
         "amx_tiles" (the tiles at any batch, for tests)."""
         return self._matmul(Q4_ENTRIES[kernel], x, (packed,), out_features, x.dtype)
 
@@ -382,7 +400,7 @@ def matmuls_mode() -> tuple[str, str]:
     """How decode's packed-weight matmuls run, and why (HANDOFF_NATIVE_MATMUL, else by the CPU): "torch"
     (torch's int4 kernel and torch._int_mm), or one of decode_matmul.c's kernels: "int" (integer
     products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs), "vnni"
-    (integer products by int8 digits, CPUs with AVX512_VNNI), "amx" (those by AMX tiles from 11 rows, CPUs
+    (integer products by int8 digits, CPUs with AVX512_VNNI), "amx" (those by AMX tiles from 13 rows, CPUs
     with AMX_INT8). Raises ValueError on a value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
     if value in OFF:
