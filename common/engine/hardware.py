@@ -65,7 +65,7 @@ def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     kernel is 10-20x slower at 8-32 rows on AVX2 hosts (and 5x at one). Where the CPU has AMX_INT8 (and
     AVX512_VNNI), its int8 digit kernel: exact integer products (16-bit activations as two signed bytes)
     by vpdpbusd below 13 rows and by the tile unit from 13 on, the same bits either way; on the Intel VM a
-    step's 120 matmuls, weights cold, took 0.89x the bf16 dot kernel's time at one row and 0.30x at 32
+    step's 120 matmuls, weights cold, took 0.89x the bf16 dot kernel's time at one row and 0.27x at 32
     (docs/benchmarks.md)."""
     flags = cpu_flags() if flags is None else flags
     if {"avx512_vnni", "amx_int8", "amx_tile"} <= flags:
