@@ -136,9 +136,9 @@ def test_bf16_logits_refine_the_top_candidates(smollm2_model, smollm2_tokenizer,
 @pytest.mark.parametrize("dtype,int4,paged,matmuls", [
     (torch.bfloat16, True, True, "auto"), (torch.bfloat16, False, True, "auto"), (torch.float32, False, True, "auto"),
     (torch.bfloat16, True, False, "auto"), (torch.bfloat16, True, True, "int"), (torch.bfloat16, True, True, "torch"),
-    (torch.float32, True, True, "f32")],
+    (torch.float32, True, True, "f32"), (torch.bfloat16, True, True, "vnni")],
     ids=["bf16+int4", "bf16", "fp32", "bf16+int4-eager-attention", "bf16+int4-integer-matmuls",
-         "bf16+int4-torch-matmuls", "fp32+int4-fp32-matmuls"])
+         "bf16+int4-torch-matmuls", "fp32+int4-fp32-matmuls", "bf16+int4-vnni-matmuls"])
 def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_tokenizer, monkeypatch, dtype, int4,
                                                           paged, matmuls):
     """Invariant 4 at its root: the logits a decode row gives (and the K/V it writes) do not depend on
@@ -146,12 +146,17 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
     Contexts from 1 to ~600 tokens; batches from 1 to 13 rows, some of them rows of one sequence
     (replay). With the native paged-attention kernel (the default where it builds) and with the eager
     gather + SDPA path it falls back to. The packed weights' matmuls as this CPU picks them
-    (HANDOFF_NATIVE_MATMUL unset: decode_matmul.c's bf16 dot kernel where the CPU has AVX512_BF16, its
-    fp32 one elsewhere), and the others every host can run ("int", "torch", "f32")."""
+    (HANDOFF_NATIVE_MATMUL unset: decode_matmul.c's int8 digit kernel where the CPU has AMX_INT8, whose
+    13-row batch crosses from its vector half to its tiles; its bf16 dot kernel where the CPU has
+    AVX512_BF16; its fp32 one elsewhere), the others every host can run ("int", "torch", "f32"), and the
+    digit kernel's vector half alone where the CPU has AVX512_VNNI."""
+    from common.engine import native
     from common.engine.hardware import auto_matmuls
     from common.engine.runner import DecodeItem
     if matmuls != "auto" and matmuls == auto_matmuls()[0]:
         pytest.skip(f"{matmuls} is this host's default: the auto case covers it")
+    if matmuls == "vnni" and not (native.kernel() is not None and native.kernel().has_vnni):
+        pytest.skip("no VNNI kernel here (the CPU has no AVX512_VNNI, or the compiler is not GCC 11+)")
     runner = make_runner(num_blocks=1024, dtype=dtype, int4_decode=int4,
                          native_matmuls=None if matmuls == "auto" else matmuls)
     if matmuls != "auto":
@@ -182,6 +187,48 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
         got = runner.decode([rows[k] for k in batch])
         for r, k in enumerate(batch):
             assert torch.equal(got[r], alone[k]), f"row {rows[k]} differs at batch {bsz}"
+
+
+def _runner_on(weights, matmuls: str):
+    """A bf16 + int4 runner on the session's weights, built apart from the fixtures' cache."""
+    from common.engine.runner import ModelRunner
+    model = Llama(weights.config, weights.tensors, dtype=torch.bfloat16, int4=weights.int4, native_matmuls=matmuls)
+    return ModelRunner(model, KVCache(model.config, 256, 16, torch.bfloat16), True)
+
+
+def _decode_16_rows(runner) -> torch.Tensor:
+    from common.engine.runner import DecodeItem
+    gen = torch.Generator().manual_seed(5)
+    for i in range(16):
+        runner.cache.pool.allocate(f"s{i}", 40)
+        runner.prefill([PrefillItem(f"s{i}", torch.randint(0, 49152, (5 + 2 * i,), generator=gen).tolist())])
+    return runner.decode([DecodeItem(f"s{i}", 11 + i, 5 + 2 * i) for i in range(16)])
+
+
+def test_a_node_without_amx_falls_back_to_its_vector_half_with_the_same_logits(smollm2_weights, monkeypatch,
+                                                                                caplog):
+    """Where the int8 digit kernel's tiles cannot run (no AMX_INT8, Linux before 5.16, a library from
+    another compiler), a model asked for "amx" runs "vnni", which computes the same bits: a pool whose
+    nodes differ in that still gives a request the same tokens. The library is this host's own, with
+    its has_amx answer turned off as such a node's would be; 16 rows, so that the AMX model runs tiles.
+    Then "vnni" without AVX512_VNNI falls back to the bf16 dot kernel, packed in that kernel's layout."""
+    from common.engine import native
+    kernels = native.kernel()
+    if kernels is None or not kernels.has_amx:
+        pytest.skip("this host has no AMX kernel to fall back from")
+    with_tiles = _decode_16_rows(_runner_on(smollm2_weights, "amx"))
+    monkeypatch.setattr(kernels, "has_amx", False)
+    caplog.clear()
+    runner = _runner_on(smollm2_weights, "amx")
+    assert runner.model.matmuls == "vnni" and "using its AVX512_VNNI half instead" in caplog.text
+    assert torch.equal(_decode_16_rows(runner), with_tiles)
+    monkeypatch.setattr(kernels, "has_vnni", False)
+    runner = _runner_on(smollm2_weights, "amx")
+    assert runner.model.matmuls == "bf16dot" and "using the bf16 dot kernel instead" in caplog.text
+    layer = runner.model.layers[0]["wqkv4"]
+    assert layer.kernel == "bf16dot" and layer.packed.shape[-1] == native.Q4_RECORD
+    bf16dot = _decode_16_rows(runner)
+    assert (bf16dot.argmax(-1) == with_tiles.argmax(-1)).float().mean() >= 0.9  # another kernel's bits
 
 
 def test_decode_logits_are_exact_at_the_top_and_close_below(smollm2_model, chat_ids):
