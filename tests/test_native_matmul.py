@@ -183,9 +183,18 @@ def test_bad_arguments_are_refused_with_a_reason():
         k.q4_matmul(torch.randn(2, 64, dtype=torch.float16), packed, 8)
     with pytest.raises(ValueError, match="contiguous rows"):
         k.q4_matmul(torch.randn(64, 2).t(), packed, 8)
-    with pytest.raises(RuntimeError, match="refused its arguments"):
-        k.q4_matmul(torch.randn(2, 48), packed, 8)  # not whole blocks of 32
+    with pytest.raises(ValueError, match="48 inputs, not whole blocks of 32"):
+        k.q4_matmul(torch.randn(2, 48), packed, 8)
+    with pytest.raises(ValueError, match=r"\(2, 2, 80\) torch.uint8, where 9 outputs x 64 inputs .* are \(3, 2, 80\)"):
+        k.q4_matmul(torch.randn(2, 64), packed, 9)  # a weight for other sizes
+    for kernel in native.Q4_ENTRIES:  # a weight in another kernel's layout would be read as garbage
+        other = "digits" if native.Q4_LAYOUT[kernel] == "quads" else "quads"
+        with pytest.raises(ValueError, match=f"pack it with pack_q4\\(..., layout='{native.Q4_LAYOUT[kernel]}'\\)"):
+            k.q4_matmul(torch.randn(2, 64), native.pack_q4(codes, d, m, layout=other), 8, kernel=kernel)
     assert k.q4_matmul(torch.randn(0, 64), packed, 8).shape == (0, 8)
+    # The library checks the arguments too, for its other callers (decode_layers.c)
+    with pytest.raises(RuntimeError, match="refused its arguments"):
+        k._matmul("q4_matmul", torch.randn(2, 48), (packed,), 8, torch.float32)
 
 
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"], ids=["plain-c", "portable-avx2"])
@@ -307,7 +316,7 @@ def test_q4_by_int8_digits_is_the_files_weights_times_x_within_the_quantization_
     else:
         assert torch.equal(y, k.q4_matmul(x.float(), packed, 102, kernel=kernel).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        k.q4_matmul(torch.randn(2, 48), packed, 8, kernel=kernel)
+        k._matmul(native.Q4_ENTRIES[kernel], torch.randn(2, 48), (packed,), 8, torch.float32)
 
 
 @pytest.mark.parametrize("kernel", ["bf16dot"])
@@ -337,7 +346,7 @@ def test_q4_by_the_bf16_dot_is_the_files_exact_weights_times_x_in_bf16(dtype, ke
         assert (err <= sums_bound).all(), f"worst {err.max():.3g} against {sums_bound.flat[err.argmax()]:.3g}"
         assert np.median(err / scale) < 1e-7  # the weights are not rounded (dequantized to bf16: ~1e-4)
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        k.q4_matmul(torch.randn(2, 48), packed, 8, kernel=kernel)
+        k._matmul(native.Q4_ENTRIES[kernel], torch.randn(2, 48), (packed,), 8, torch.float32)
 
 
 def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads():
@@ -403,7 +412,7 @@ def test_q4_in_fp32_is_the_files_weights_times_x_to_fp32_rounding(dtype):
     if dtype == torch.float32:
         assert np.median(err / scale) < 1e-7  # the integer kernel's is ~1e-5 (15-bit activations)
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        k.q4_matmul(torch.randn(2, 48), packed, 8, "f32")
+        k._matmul("q4_matmul_f32", torch.randn(2, 48), (packed,), 8, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

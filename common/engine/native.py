@@ -102,6 +102,7 @@ Q4_RECORD = 80  # bytes of one block of a quad: 4 x 16 code bytes, 4 fp16 d, 4 f
 QUAD = 4  # decode_matmul.c packs outputs by fours, each four's blocks interleaved: one stream per tile
 GROUP = 32
 DIGIT_OUTPUTS = 16  # the int8 digit kernels' group of outputs
+DIGIT_RECORD = 320  # their bytes of a group's block: 16 x 16 code bytes, 16 fp16 d, 16 fp16 m
 
 
 def pack_q4(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray, arena: WeightArena | None = None,
@@ -309,10 +310,20 @@ class DecodeKernels:
 
     def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str = "int") -> torch.Tensor:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
-        blocks as `pack_q4` lays them out for the kernel (Q4_LAYOUT). kernel: one of Q4_KERNELS, "int" (integer products), "bf16dot"
-        (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni" (integer products by int8
-        digits, `has_vnni`) or "amx" (those by AMX tiles from 13 rows, the same bits, `has_amx`); or
-        "amx_tiles" (the tiles at any batch, for tests)."""
+        blocks as `pack_q4` lays them out for the kernel (Q4_LAYOUT). kernel: one of Q4_KERNELS, "int"
+        (integer products), "bf16dot" (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni"
+        (integer products by int8 digits, `has_vnni`) or "amx" (those by AMX tiles from 13 rows, the same
+        bits, `has_amx`); or "amx_tiles" (the tiles at any batch, for tests). A weight packed in another
+        layout, or for other sizes, is refused (ValueError): the kernel would read it as garbage."""
+        if x.shape[1] % GROUP:
+            raise ValueError(f"q4_matmul: x has {x.shape[1]} inputs, not whole blocks of {GROUP}")
+        layout = Q4_LAYOUT[kernel]
+        outputs, record = (DIGIT_OUTPUTS, DIGIT_RECORD) if layout == "digits" else (QUAD, Q4_RECORD)
+        want = (-(-out_features // outputs), x.shape[1] // GROUP, record)
+        if tuple(packed.shape) != want or packed.dtype != torch.uint8:
+            raise ValueError(f"q4_matmul ({kernel}): the weight is {tuple(packed.shape)} {packed.dtype}, where "
+                             f"{out_features} outputs x {x.shape[1]} inputs in the {layout!r} layout are {want} "
+                             f"uint8: pack it with pack_q4(..., layout={layout!r})")
         return self._matmul(Q4_ENTRIES[kernel], x, (packed,), out_features, x.dtype)
 
     def q8_matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
