@@ -357,9 +357,16 @@ SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, seed=20261201, max_tokens=
 
 
 def _mixed_requests(prompts) -> dict[str, tuple[list[int], SamplingParams]]:
-    """Greedy and seeded sampled requests over every prompt: the company each one decodes in."""
+    """Greedy and seeded sampled requests over every prompt (three kinds of sampling): the company each one
+    decodes in. 16 of them, so that a step's batch reaches 13 rows, where the int8 digit kernel (the
+    default on AMX hosts) moves from its vector half to its tiles."""
     reqs = {f"g-{n}": (ids, GREEDY) for n, ids in prompts.items()}
     reqs |= {f"s-{n}": (ids, replace(SAMPLED, seed=SAMPLED.seed + i)) for i, (n, ids) in enumerate(prompts.items())}
+    reqs |= {f"k-{n}": (ids, replace(SAMPLED, temperature=0.7, top_k=40, top_p=1.0, seed=SAMPLED.seed + 100 + i))
+             for i, (n, ids) in enumerate(prompts.items())}
+    reqs |= {f"p-{n}": (ids, replace(SAMPLED, min_p=0.05, repetition_penalty=1.2, seed=SAMPLED.seed + 200 + i))
+             for i, (n, ids) in enumerate(prompts.items())}
+    assert len(reqs) >= 13
     return reqs
 
 
