@@ -1054,8 +1054,7 @@ DEFINE_TILE_VNNI(3)
 DEFINE_TILE_VNNI(2)
 DEFINE_TILE_VNNI(1)
 
-static int groups_vnni(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
-    (void)x_rows;
+static int groups_vnni(const job_t *j, int64_t g_begin, int64_t g_end) {
     for (int64_t g = g_begin; g < g_end; g++) {
         int64_t r = 0;
         for (; r + 4 <= j->rows; r += 4) tile_vnni_4(j, r, g);
@@ -1075,14 +1074,14 @@ typedef struct {
 } amx_config_t;
 
 /* Tiles 0, 1: C of the high and the low digits ([m rows, 16 int32]); 2, 3: A, those digits of m rows of a
- * block; 4: B, a block's codes of 16 outputs ([8 rows of 4 inputs, 16 outputs x 4 bytes]). `m` rows a tile:
- * the batch up to 16, else 16 (x padded with zero rows to a multiple of 16). Loaded by every thread at the
+ * block; 4: B, a block's codes of 16 outputs ([8 rows of 4 inputs, 16 outputs x 4 bytes]). 16 rows a tile
+ * (x padded with zero rows to a multiple of 16). Loaded by every thread at the
  * start of every call: torch's own AMX kernels (oneDNN) share these threads and load their own between ours. */
-static void amx_configure(int m) {
+static void amx_configure(void) {
     amx_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[1] = c.rows[2] = c.rows[3] = (uint8_t)m;
+    c.rows[0] = c.rows[1] = c.rows[2] = c.rows[3] = AMX_ROWS;
     c.colsb[0] = c.colsb[1] = DIGIT_OUTPUTS * 4;
     c.colsb[2] = c.colsb[3] = GROUP;
     c.rows[4] = GROUP / 4;
@@ -1142,14 +1141,13 @@ static void amx_rows_##RT(const job_t *j, const amx_block_t *blk, int64_t r0, in
 DEFINE_AMX_ROWS(16)
 DEFINE_AMX_ROWS(8)
 
-/* x_rows: j->xd's, j->sx's and j->sumx's rows, a multiple of 16 (the rest zero). */
-static int groups_amx(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g_end) {
+/* j->xd's, j->sx's and j->sumx's rows are padded with zero rows to a multiple of 16 (matmul_digits). */
+static int groups_amx(const job_t *j, int64_t g_begin, int64_t g_end) {
     const int64_t rows = j->rows, blocks = j->w.in / GROUP;
     amx_block_t *blk = aligned_alloc(64, (size_t)blocks * sizeof *blk);
     if (!blk) return -ENOMEM;
     __attribute__((aligned(64))) int32_t c[2][2 * AMX_ROWS * DIGIT_OUTPUTS];
-    (void)x_rows;
-    amx_configure(AMX_ROWS);
+    amx_configure();
     for (int64_t g = g_begin; g < g_end; g++) {
         const int64_t q0 = g * DIGIT_QUADS;
         for (int64_t b = 0; b < blocks; b++) digit_codes(j, g, b, blk[b].b, &blk[b].d, &blk[b].m);
@@ -1165,18 +1163,18 @@ static int groups_amx(const job_t *j, int64_t x_rows, int64_t g_begin, int64_t g
 }
 #pragma GCC pop_options
 
-typedef int (*groups_fn)(const job_t *, int64_t, int64_t, int64_t);
+typedef int (*groups_fn)(const job_t *, int64_t, int64_t);
 
-static int run_groups(groups_fn fn, const job_t *j, int64_t x_rows, int64_t threads) {
+static int run_groups(groups_fn fn, const job_t *j, int64_t threads) {
     const int64_t groups = (quads(&j->w) + DIGIT_QUADS - 1) / DIGIT_QUADS;
     if (threads > groups) threads = groups;
-    if (threads <= 1) return fn(j, x_rows, 0, groups);
+    if (threads <= 1) return fn(j, 0, groups);
     int err = 0;
 #pragma omp parallel num_threads((int)threads) reduction(| : err)
     {
         int64_t begin, end;
         part_range(omp_get_thread_num(), omp_get_num_threads(), 1, groups, &begin, &end);
-        if (begin < end) err |= fn(j, x_rows, begin, end);
+        if (begin < end) err |= fn(j, begin, end);
     }
     return err;
 }
@@ -1195,7 +1193,7 @@ static int matmul_digits(int tiles, const void *x, int x_bf16, int64_t x_stride,
     const job_t j = {.w = {tiles ? FORMAT_Q4_AMX : FORMAT_Q4_VNNI, packed, NULL, out, in}, .sx = dg.sx,
                      .sumx = dg.sx + x_rows * blocks, .rows = rows, .y = y, .y_stride = y_stride, .y_bf16 = y_bf16,
                      .xd = dg.xd};
-    const int err = run_groups(tiles ? groups_amx : groups_vnni, &j, x_rows, threads);
+    const int err = run_groups(tiles ? groups_amx : groups_vnni, &j, threads);
     free(dg.xd);
     free(dg.sx);
     return err;
@@ -1317,44 +1315,37 @@ int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
     return err;
 }
 
-/* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by int8 digits (MATMUL_DIGITS above) on the vector unit.
- * -ENOSYS where this build has no such kernel or the CPU has no AVX512_VNNI. */
-int q4_matmul_vnni(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
-                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+/* The int8 digit kernels' entry points (MATMUL_DIGITS above): unit 0 the vector kernel, 1 the tiles from
+ * AMX_MIN_ROWS rows on, 2 the tiles at any batch size. -ENOSYS where this build has no such kernel or the CPU
+ * (AVX512_VNNI; AMX_INT8 for the tiles) or the OS (the tile state) does not offer it. */
+static int digits_entry(int unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
+                        int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
 #ifdef MATMUL_DIGITS
-    if (!cpu_has_vnni()) return -ENOSYS;
-    return matmul_digits(0, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+    if (!(unit ? amx_ready() : cpu_has_vnni())) return -ENOSYS;
+    const int tiles = unit == 2 || (unit == 1 && rows >= AMX_MIN_ROWS);
+    return matmul_digits(tiles, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 #else
-    (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
-        (void)y_stride, (void)threads;
+    (void)unit, (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y,
+        (void)y_bf16, (void)y_stride, (void)threads;
     return -ENOSYS;
 #endif
 }
 
-/* The same bits as q4_matmul_vnni, by AMX tiles from AMX_MIN_ROWS rows on (MATMUL_DIGITS above). -ENOSYS
- * where this build has no such kernel or the CPU or the OS does not offer AMX_INT8. */
+/* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by int8 digits on the vector unit (weights in pack_q4's
+ * digits layout). */
+int q4_matmul_vnni(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
+                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+    return digits_entry(0, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+}
+
+/* The same bits as q4_matmul_vnni, by AMX tiles from AMX_MIN_ROWS rows on. */
 int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-#ifdef MATMUL_DIGITS
-    if (!amx_ready()) return -ENOSYS;
-    return matmul_digits(rows >= AMX_MIN_ROWS, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride,
-                         threads);
-#else
-    (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
-        (void)y_stride, (void)threads;
-    return -ENOSYS;
-#endif
+    return digits_entry(1, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 }
 
 /* q4_matmul_amx with the tiles at any batch size: the tests' proof that both units give the same bits. */
 int q4_matmul_amx_tiles(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
                         int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-#ifdef MATMUL_DIGITS
-    if (!amx_ready()) return -ENOSYS;
-    return matmul_digits(1, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
-#else
-    (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y, (void)y_bf16,
-        (void)y_stride, (void)threads;
-    return -ENOSYS;
-#endif
+    return digits_entry(2, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 }
