@@ -53,23 +53,28 @@ def auto_dtype(device: str | torch.device = "cpu", flags: frozenset[str] | None 
 
 
 def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
-    """How decode's packed-weight matmuls should run (native.matmuls_mode's modes), and why. Where the CPU
-    has AVX512_BF16, decode_matmul.c's bf16 dot kernel: it multiplies the file's 4-bit codes themselves
-    (exact in bf16) with bf16 activations by the bf16 dot instruction, and the layer stack stays one native
-    call. On the avx512_bf16 VM its 120 matmuls of a step took 2.4-3.5 ms at one row against the integer
-    kernel's 3.7-5.1 and 45-47 ms at 32 rows against 72-81 (the fp32 kernel's: 4.6-6.1 and 62-65;
-    docs/benchmarks.md). Without it, with AVX2, the fp32 kernel, which dequantizes a block once for all
-    rows and multiplies in fp32 FMAs: the library's AVX2 build decoded 32 streams 1.43-1.44x and 8 streams 1.17-1.28x as fast as with the integer kernel
-    (one stream 0.82-0.89x: a row alone pays the dequantization a batch shares), and takes the model's
-    fp32 activations unrounded. Without AVX2 (the plain C loops), the integer kernel. torch's int4
-    kernel is 10-20x slower at 8-32 rows on AVX2 hosts (and 5x at one). Where the CPU has AMX_INT8 (and
-    AVX512_VNNI), its int8 digit kernel: exact integer products (16-bit activations as two signed bytes)
-    by vpdpbusd below 13 rows and by the tile unit from 13 on, the same bits either way; on the Intel VM a
-    step's 120 matmuls, weights cold, took 0.89x the bf16 dot kernel's time at one row and 0.27x at 32
-    (docs/benchmarks.md)."""
+    """How decode's packed-weight matmuls should run (native.matmuls_mode's modes), and why.
+
+    Where the CPU has AVX512_VNNI, decode_matmul.c's int8 digit kernel: exact integer products (16-bit
+    activations as two signed bytes times the file's 4-bit codes) by vpdpbusd, and from 13 rows by the AMX
+    tile unit where the CPU also has AMX_INT8, the same bits either way (so AMX and VNNI-only nodes of a
+    pool give a request the same tokens). A step's 120 matmuls, weights cold, against the bf16 dot kernel:
+    on the Intel AMX VM 0.89x its time at one row and 0.27x at 32; on the AMD Zen VM (VNNI, no AMX) by the
+    vector unit 0.88-0.92x at one row, 0.57-0.64x at 8 and 0.56-0.57x at 32, three runs (docs/benchmarks.md).
+    Else, where the CPU has AVX512_BF16, the bf16 dot kernel: the file's 4-bit codes themselves (exact in
+    bf16) times bf16 activations by the bf16 dot instruction. On the avx512_bf16 VM its 120 matmuls took
+    2.4-3.5 ms at one row against the integer kernel's 3.7-5.1 and 45-47 ms at 32 rows against 72-81 (the
+    fp32 kernel's: 4.6-6.1 and 62-65).
+    Else, with AVX2, the fp32 kernel, which dequantizes a block once for all rows and multiplies in fp32
+    FMAs: the library's AVX2 build decoded 32 streams 1.43-1.44x and 8 streams 1.17-1.28x as fast as with
+    the integer kernel (one stream 0.82-0.89x: a row alone pays the dequantization a batch shares), and
+    takes the model's fp32 activations unrounded. Without AVX2 (the plain C loops), the integer kernel.
+    torch's int4 kernel is 10-20x slower at 8-32 rows on AVX2 hosts (and 5x at one)."""
     flags = cpu_flags() if flags is None else flags
     if {"avx512_vnni", "amx_int8", "amx_tile"} <= flags:
         return "amx", "decode_matmul.c, int8 digits by VNNI and AMX tiles: the CPU has amx_int8"
+    if "avx512_vnni" in flags:
+        return "vnni", "decode_matmul.c, int8 digits by VNNI: the CPU has avx512_vnni (no amx_int8)"
     if "avx512_bf16" in flags:
         return "bf16dot", "decode_matmul.c, the bf16 dot instruction: the CPU has avx512_bf16"
     if "avx2" in flags:
