@@ -22,14 +22,14 @@ def test_auto_picks_bf16_only_with_native_bf16(flags, expected):
 
 
 @pytest.mark.parametrize("flags,mode", [
-    ({"avx2", "fma"}, "f32"),                          # torch's int4 kernel 10-20x slower at 8-32 rows
+    ({"avx2", "fma"}, "avx2"),                         # int8 digits by vpmaddubsw (torch's int4: 10-20x slower)
     ({"avx2", "avx512f", "avx512_vnni"}, "vnni"),      # int8 digits by vpdpbusd (Ice Lake, Cascade Lake)
     ({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}, "vnni"),  # AMD Zen 4/5: 0.57x bf16dot's time at 32 rows
     ({"sse4_2"}, "int"),                               # the plain C loops
     ({"avx2", "avx512f", "avx512_bf16"}, "bf16dot"),   # the bf16 dot instruction: a tile dequantized once
     ({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"}, "amx"),  # int8 digits
     ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bf16dot"),  # the digits need AMX_INT8 and VNNI
-    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "f32"),  # the bf16 dot kernel needs AVX512_BF16, not AMX
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "avx2"),  # the bf16 dot kernel needs AVX512_BF16, not AMX
 ])
 def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, mode):
     from common.engine import native as native_lib
@@ -39,7 +39,7 @@ def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, mode):
     monkeypatch.delenv(native_lib.ENV_MATMUL, raising=False)
     assert native_lib.matmuls_mode()[0] == auto_matmuls()[0]
     for value, expected in (("1", "int"), ("on", "int"), ("int", "int"), ("bf16", "bf16dot"), ("f32", "f32"),
-                            ("amx", "amx"), ("vnni", "vnni"), ("0", "torch"), ("off", "torch"), ("auto", auto_matmuls()[0])):
+                            ("amx", "amx"), ("vnni", "vnni"), ("avx2", "avx2"), ("0", "torch"), ("off", "torch"), ("auto", auto_matmuls()[0])):
         monkeypatch.setenv(native_lib.ENV_MATMUL, value)
         assert native_lib.matmuls_mode()[0] == expected, value
     monkeypatch.setenv(native_lib.ENV_MATMUL, "fast")

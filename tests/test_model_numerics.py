@@ -136,9 +136,11 @@ def test_bf16_logits_refine_the_top_candidates(smollm2_model, smollm2_tokenizer,
 @pytest.mark.parametrize("dtype,int4,paged,matmuls", [
     (torch.bfloat16, True, True, "auto"), (torch.bfloat16, False, True, "auto"), (torch.float32, False, True, "auto"),
     (torch.bfloat16, True, False, "auto"), (torch.bfloat16, True, True, "int"), (torch.bfloat16, True, True, "torch"),
-    (torch.float32, True, True, "f32"), (torch.bfloat16, True, True, "vnni"), (torch.bfloat16, True, True, "bf16dot")],
+    (torch.float32, True, True, "f32"), (torch.bfloat16, True, True, "vnni"), (torch.bfloat16, True, True, "bf16dot"),
+    (torch.float32, True, True, "avx2")],
     ids=["bf16+int4", "bf16", "fp32", "bf16+int4-eager-attention", "bf16+int4-integer-matmuls",
-         "bf16+int4-torch-matmuls", "fp32+int4-fp32-matmuls", "bf16+int4-vnni-matmuls", "bf16+int4-bf16dot-matmuls"])
+         "bf16+int4-torch-matmuls", "fp32+int4-fp32-matmuls", "bf16+int4-vnni-matmuls", "bf16+int4-bf16dot-matmuls",
+         "fp32+int4-avx2-matmuls"])
 def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_tokenizer, monkeypatch, dtype, int4,
                                                           paged, matmuls):
     """Invariant 4 at its root: the logits a decode row gives (and the K/V it writes) do not depend on
@@ -148,9 +150,9 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
     gather + SDPA path it falls back to. The packed weights' matmuls as this CPU picks them
     (HANDOFF_NATIVE_MATMUL unset: decode_matmul.c's int8 digit kernel where the CPU has AVX512_VNNI, whose
     13-row batch crosses from its vector half to its tiles where it has AMX_INT8; its bf16 dot kernel where
-    the CPU has AVX512_BF16 without VNNI; its fp32 one elsewhere), the others every host can run ("int",
-    "torch", "f32"), the digit kernel's vector half alone where the CPU has AVX512_VNNI, and the bf16 dot
-    kernel where it has AVX512_BF16."""
+    the CPU has AVX512_BF16 without VNNI; its AVX2 unit elsewhere), the others every host can run ("int",
+    "torch", "f32"), the digit kernel's AVX-512 unit alone where the CPU has AVX512_VNNI, its AVX2 unit
+    (in fp32, the dtype AVX2 hosts run), and the bf16 dot kernel where the CPU has AVX512_BF16."""
     from common.engine import native
     from common.engine.hardware import auto_matmuls
     from common.engine.runner import DecodeItem
@@ -160,6 +162,8 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
         pytest.skip("no VNNI kernel here (the CPU has no AVX512_VNNI, or the compiler is not GCC 11+)")
     if matmuls == "bf16dot" and not (native.kernel() is not None and native.kernel().has_bf16dot):
         pytest.skip("no bf16 dot kernel here (the CPU has no AVX512_BF16, or the compiler is not GCC 10+)")
+    if matmuls == "avx2" and not (native.kernel() is not None and native.kernel().has_avx2_digits):
+        pytest.skip("no int8 digit kernels here (the compiler is not GCC 11+, or the build has no AVX2)")
     runner = make_runner(num_blocks=1024, dtype=dtype, int4_decode=int4,
                          native_matmuls=None if matmuls == "auto" else matmuls)
     if matmuls != "auto":
@@ -226,30 +230,39 @@ def test_a_node_without_amx_falls_back_to_its_vector_half_with_the_same_logits(s
     assert torch.equal(_decode_16_rows(runner), with_tiles)
 
 
-def test_a_node_without_vnni_falls_back_to_a_kernel_packed_in_its_own_layout(smollm2_weights, monkeypatch, caplog):
-    """"vnni" (auto's pick on AVX512_VNNI CPUs without AMX) where the library cannot run it (no
-    AVX512_VNNI under an explicit setting, a library from another compiler) falls back to the bf16 dot
-    kernel where that runs, else to the fp32 kernel (never to torch's int4 kernel, 10-20x slower on AVX2
-    hosts), each repacked in its own layout, with a warning; "amx" goes the same way. The library is this
-    host's own with its answers turned off as such a node's would be."""
+def test_a_node_without_vnni_runs_the_avx2_unit_with_the_same_logits_and_without_digits_another_kernel(
+        smollm2_weights, monkeypatch, caplog):
+    """"vnni" (auto's pick on AVX512_VNNI CPUs without AMX) where the CPU lacks AVX512_VNNI runs the same
+    kernel's AVX2 unit, "avx2" (auto's pick on AVX2 CPUs), which computes the same bits: a pool of AMX,
+    AVX512_VNNI and AVX2 nodes gives a request the same tokens. Where the library has no digit kernel at all
+    (a compiler other than GCC 11+), "amx", "vnni" and "avx2" fall back to the bf16 dot kernel where it
+    runs, else to the fp32 kernel (never to torch's int4 kernel, 10-20x slower on AVX2 hosts), repacked in
+    that kernel's layout, with a warning. The library is this host's own with its answers turned off as
+    such a node's would be; 16 rows."""
     from common.engine import native
     kernels = native.kernel()
-    if kernels is None or not kernels.has_vnni:
-        pytest.skip("this host has no VNNI kernel to fall back from")
-    digits = _decode_16_rows(_runner_on(smollm2_weights, "vnni"))
+    if kernels is None or not kernels.has_avx2_digits:
+        pytest.skip("this host's library has no int8 digit kernels (GCC before 11, or no AVX2)")
+    runner = _runner_on(smollm2_weights, "vnni" if kernels.has_vnni else "avx2")
+    widest = _decode_16_rows(runner)
     monkeypatch.setattr(kernels, "has_amx", False)
     monkeypatch.setattr(kernels, "has_vnni", False)
+    caplog.clear()
+    runner = _runner_on(smollm2_weights, "vnni")
+    assert runner.model.matmuls == "avx2" and "using its AVX2 unit instead (the same bits)" in caplog.text
+    assert torch.equal(_decode_16_rows(runner), widest)
+    monkeypatch.setattr(kernels, "has_avx2_digits", False)
     fallbacks = [("bf16dot", "using the bf16 dot kernel instead")] if kernels.has_bf16dot else []
     fallbacks.append(("f32", "using the fp32 kernel instead"))
     for want, message in fallbacks:
-        for asked in ("vnni", "amx"):
+        for asked in ("avx2", "vnni", "amx"):
             caplog.clear()
             runner = _runner_on(smollm2_weights, asked)
             assert runner.model.matmuls == want and message in caplog.text, (asked, caplog.text)
         layer = runner.model.layers[0]["wqkv4"]
         assert layer.kernel == want and layer.packed.shape[-1] == native.Q4_RECORD
         other = _decode_16_rows(runner)
-        assert (other.argmax(-1) == digits.argmax(-1)).float().mean() >= 0.9  # another kernel's bits
+        assert (other.argmax(-1) == widest.argmax(-1)).float().mean() >= 0.9  # another kernel's bits
         monkeypatch.setattr(kernels, "has_bf16dot", False)
 
 

@@ -170,7 +170,7 @@ def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
         x_bad = x.clone()
         x_bad[1, 17] = bad
         y = k.q4_matmul(x_bad, packed, 40, kernel)
-        integer = kernel in ("int", "vnni", "amx", "amx_tiles")
+        integer = kernel in ("int", *native.DIGIT_KERNELS)
         assert torch.isnan(y[1]).all() if integer else not torch.isfinite(y[1]).any(), bad
         assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
 
@@ -221,14 +221,17 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
     assert other.has_bf16dot == (k.has_bf16dot and march == "x86-64-v3")
     assert other.has_vnni == (k.has_vnni and march == "x86-64-v3")
     assert other.has_amx == (k.has_amx and march == "x86-64-v3")
-    digit_kernels = ["vnni"] * other.has_vnni + ["amx", "amx_tiles"] * other.has_amx
-    digit_packed = _pack(codes, d, m, "vnni")
+    assert other.has_avx2_digits == (k.has_avx2_digits and march == "x86-64-v3")
+    digit_kernels = ["avx2"] * other.has_avx2_digits + ["vnni"] * other.has_vnni + ["amx", "amx_tiles"] * other.has_amx
+    digit_packed = _pack(codes, d, m, "avx2")
     for kernel in digit_kernels:
-        for rows in (1, 17):
+        for rows in (1, 6, 17):
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(rows, 576) * 2).to(dtype)
-                assert torch.equal(other.q4_matmul(x, digit_packed, 36, kernel=kernel),
-                                   k.q4_matmul(x, digit_packed, 36, kernel=kernel)), (kernel, rows, dtype)
+                mine = k.q4_matmul(x, digit_packed, 36, kernel=kernel)
+                assert torch.equal(other.q4_matmul(x, digit_packed, 36, kernel=kernel), mine), (kernel, rows, dtype)
+                # the portable build's AVX2 unit gives what this build's widest unit gives
+                assert torch.equal(other.q4_matmul(x, digit_packed, 36, kernel="avx2"), mine), (kernel, rows, dtype)
     if other.has_bf16dot:
         for rows in (3, 13):  # tiles of 3; of 8, 4 and 1
             for dtype in (torch.float32, torch.bfloat16):
@@ -240,8 +243,9 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
 @pytest.mark.parametrize("dtype,matmuls", [(torch.float32, "int"), (torch.bfloat16, "int"),
                                            (torch.bfloat16, "bf16dot"), (torch.float32, "f32"),
                                            (torch.bfloat16, "f32"), (torch.bfloat16, "amx"),
-                                           (torch.float32, "vnni")],
-                         ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32", "bf16-amx", "fp32-vnni"])
+                                           (torch.float32, "vnni"), (torch.float32, "avx2"), (torch.bfloat16, "avx2")],
+                         ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32", "bf16-amx", "fp32-vnni",
+                              "fp32-avx2", "bf16-avx2"])
 def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype, matmuls):
     """decode_layers.c runs every layer of a decode step in one call; the model's per-op path (one native
     call per kernel from Python) computes the same hidden states, logits and cache writes."""
@@ -291,12 +295,19 @@ def _amx_kernels() -> native.DecodeKernels:
     return k
 
 
+def _avx2_digits_kernels() -> native.DecodeKernels:
+    k = native_kernels()
+    if not k.has_avx2_digits:
+        pytest.skip("this build has no int8 digit kernels (the compiler is not GCC 11+, or the build has no AVX2)")
+    return k
+
+
 def _kernels_for(kernel: str) -> native.DecodeKernels:
-    return {"bf16dot": _bf16dot_kernels, "vnni": _vnni_kernels, "amx": _amx_kernels,
-            "amx_tiles": _amx_kernels}.get(kernel, native_kernels)()
+    return {"bf16dot": _bf16dot_kernels, "vnni": _vnni_kernels, "amx": _amx_kernels, "amx_tiles": _amx_kernels,
+            "avx2": _avx2_digits_kernels}.get(kernel, native_kernels)()
 
 
-@pytest.mark.parametrize("kernel", ["vnni", "amx", "amx_tiles"])
+@pytest.mark.parametrize("kernel", ["avx2", "vnni", "amx", "amx_tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_q4_by_int8_digits_is_the_files_weights_times_x_within_the_quantization_error(dtype, kernel):
     """The int8 digit kernels quantize a row as the integer kernel does, to 1/32639 of each block's largest
@@ -361,20 +372,21 @@ def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the
 
 
 def test_q4_by_int8_digits_gives_a_row_the_same_bits_whatever_the_batch_the_unit_and_the_threads():
-    """Invariant 4 for the int8 digit kernels: the vector kernel (rows in tiles of 4, 3, 2, 1) and the tile
-    kernel (tiles of 16 rows, the last padded with zero rows) compute the same exact integer sums and scale
-    them by the same instructions, so q4_matmul_amx may switch units at 13 rows: every row gets the bits it
-    gets alone from either unit, at every batch size across the switch, on 1 or 2 threads. 200 outputs: 12
-    groups of 16 and one of 8 (two quads, the others zero)."""
-    k = _amx_kernels()
+    """Invariant 4 for the int8 digit kernels: the AVX2 unit (rows in tiles of 4, 3, 2, 1, 8 outputs a
+    register), the AVX-512 one (tiles of 4, 3, 2, 1, 16 outputs a register) and the tile unit (tiles of 16
+    rows, the last padded with zero rows) compute the same exact integer sums and scale them by the same
+    fp32 operations, so q4_matmul_amx may switch units at 13 rows and a pool may mix AVX2, AVX512_VNNI and
+    AMX nodes: every row gets the bits it gets alone from any unit this host has, at every batch size across
+    the switch, on 1 or 2 threads. 200 outputs: 12 groups of 16 and one of 8 (two quads, the others zero)."""
+    k = _avx2_digits_kernels()
     codes, d, m, _ = _q4_weight(200, 1536, seed=3)
-    packed = _pack(codes, d, m, "amx")
+    packed = _pack(codes, d, m, "avx2")
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(40, 1536, generator=gen) * 3).to(torch.bfloat16)
-    kernels = {kernel: (lambda x, kernel=kernel: k.q4_matmul(x, packed, 200, kernel=kernel))
-               for kernel in ("vnni", "amx", "amx_tiles")}
+    units = ["avx2"] + ["vnni"] * k.has_vnni + ["amx", "amx_tiles"] * k.has_amx
+    kernels = {kernel: (lambda x, kernel=kernel: k.q4_matmul(x, packed, 200, kernel=kernel)) for kernel in units}
     _assert_rows_batch_invariant(kernels, rows, gen)
-    alone = torch.cat([kernels["vnni"](rows[i:i + 1]) for i in range(len(rows))])
+    alone = torch.cat([kernels["avx2"](rows[i:i + 1]) for i in range(len(rows))])
     for bsz in (1, 2, 5, 9, 12, 13, 14, 16, 17, 33, 40):
         for name, f in kernels.items():
             assert torch.equal(f(rows[:bsz]), alone[:bsz]), (name, bsz)

@@ -24,10 +24,12 @@ int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
                   int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
 int q4_matmul_vnni(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
                    int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
+int q4_matmul_avx2(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
+                   int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
 typedef int (*q4_fn)(const void *, int, int64_t, int64_t, const uint8_t *, int64_t, int64_t, void *, int, int64_t,
                      int64_t);
 
-enum { Q4_INT = 0, Q4_BF16DOT = 1, Q4_F32 = 2, Q4_AMX = 3, Q4_VNNI = 4 }; /* native.Q4_KERNELS' order */
+enum { Q4_INT = 0, Q4_BF16DOT = 1, Q4_F32 = 2, Q4_AMX = 3, Q4_VNNI = 4, Q4_AVX2 = 5 }; /* native.Q4_KERNELS' order */
 
 #define LAYER_POINTERS 6 /* attn_norm, wqkv, wo, mlp_norm, w13, w2 */
 
@@ -46,7 +48,7 @@ int NAME(float *h, int64_t rows, int64_t num_layers, void *const *weights, T *kv
          int64_t attn_threads, int64_t q4_kernel) {                                                    \
     const q4_fn q4 = q4_kernel == Q4_BF16DOT ? q4_matmul_bf16dot : q4_kernel == Q4_F32 ? q4_matmul_f32      \
                      : q4_kernel == Q4_AMX ? q4_matmul_amx : q4_kernel == Q4_VNNI ? q4_matmul_vnni       \
-                     : q4_matmul;                                                                      \
+                     : q4_kernel == Q4_AVX2 ? q4_matmul_avx2 : q4_matmul;                                \
     const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;           \
     const int64_t widest = 2 * ffn > qkv_width ? 2 * ffn : qkv_width;                                  \
     /* x, delta [rows, hidden]; wide (qkv or gate_up) [rows, widest]; o [rows, q_width]; act [rows, ffn] */ \

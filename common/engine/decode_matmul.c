@@ -953,6 +953,110 @@ static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t r
     return 0;
 }
 
+/* The AVX2 unit (any CPU this build runs on): the same exact sums by vpmaddubsw, whose pairs (codes 0-15
+ * times a signed digit, |pair| <= 3840) add in 16 bits over a block's 8 dwords of 4 inputs (<= 30720, no
+ * wrap), widened by vpmaddwd; then the same fp32 steps as digit_scale, 8 outputs a register. A group's two
+ * halves (outputs 0-7, 8-15) one after the other over all its blocks, so that a row's sums and accumulators
+ * stay in the 16 registers; the second half reads the group's records from the cache. */
+static inline void digit_store_avx2(const job_t *j, int64_t row, int64_t o, __m256 acc, __m256 accm) {
+    const __m256 v = _mm256_add_ps(acc, accm);
+    const int64_t real = j->w.out - o;
+    if (real <= 0) return;
+    if (!j->y_bf16) {
+        float *y = (float *)j->y + row * j->y_stride + o;
+        if (real >= 8) {
+            _mm256_storeu_ps(y, v);
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, v);
+            memcpy(y, t, (size_t)real * sizeof *t);
+        }
+        return;
+    }
+    /* f32_to_bf16's rounding and NaN, 8 at once (digit_store's, lane for lane) */
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                              _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i b = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    /* 8 dwords < 2^16 -> 8 words: packus within 128-bit lanes, then the lanes' low halves together */
+    const __m128i w = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
+    uint16_t *y = (uint16_t *)j->y + row * j->y_stride + o;
+    if (real >= 8) {
+        _mm_storeu_si128((__m128i *)y, w);
+    } else {
+        uint16_t t[8];
+        _mm_storeu_si128((__m128i *)t, w);
+        memcpy(y, t, (size_t)real * sizeof *t);
+    }
+}
+
+#define DEFINE_TILE_AVX2(RT)                                                                           \
+static void tile_avx2_##RT(const job_t *j, int64_t r0, int64_t g) {                                    \
+    const int64_t blocks = j->w.in / GROUP;                                                            \
+    const uint8_t *group = j->w.packed + g * blocks * DIGIT_RECORD;                                    \
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);                        \
+    __m256 acc[RT][2], accm[RT][2];                                                                    \
+    for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = accm[r][0] = accm[r][1] = _mm256_setzero_ps(); \
+    for (int64_t b = 0; b < blocks; b++) {                                                             \
+        const uint8_t *rec = group + b * DIGIT_RECORD;                                                 \
+        for (int line = 0; line < DIGIT_RECORD; line += 64) DIGIT_PREFETCH(rec + line);                \
+        __m256i hi[RT][2], lo[RT][2];                                                                  \
+        for (int r = 0; r < RT; r++) hi[r][0] = hi[r][1] = lo[r][0] = lo[r][1] = _mm256_setzero_si256(); \
+        for (int k = 0; k < 4; k++) {                                                                  \
+            __m256i wl[2], wh[2];                                                                      \
+            for (int h = 0; h < 2; h++) {                                                              \
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(rec + 64 * k + 32 * h));        \
+                wl[h] = _mm256_and_si256(c, nibble);                                                   \
+                wh[h] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);                             \
+            }                                                                                          \
+            for (int r = 0; r < RT; r++) {                                                             \
+                const dword_t *xd = (const dword_t *)(j->xd + ((r0 + r) * blocks + b) * XD_BLOCK);     \
+                const __m256i xh0 = _mm256_set1_epi32(xd[k]), xh1 = _mm256_set1_epi32(xd[k + 4]);      \
+                const __m256i xl0 = _mm256_set1_epi32(xd[8 + k]), xl1 = _mm256_set1_epi32(xd[12 + k]); \
+                for (int h = 0; h < 2; h++) {                                                          \
+                    hi[r][h] = _mm256_add_epi16(hi[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(wl[h], xh0), \
+                                                                           _mm256_maddubs_epi16(wh[h], xh1))); \
+                    lo[r][h] = _mm256_add_epi16(lo[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(wl[h], xl0), \
+                                                                           _mm256_maddubs_epi16(wh[h], xl1))); \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int h = 0; h < 2; h++) {                                                                  \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));  \
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));  \
+            for (int r = 0; r < RT; r++) {                                                             \
+                const int64_t at = (r0 + r) * blocks + b;                                              \
+                const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r][h], ones), 8), \
+                                                   _mm256_madd_epi16(lo[r][h], ones));                 \
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),                                     \
+                                            _mm256_mul_ps(d, _mm256_set1_ps(j->sx[at])), acc[r][h]);   \
+                accm[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(j->sumx[at]), accm[r][h]);              \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int r = 0; r < RT; r++)                                                                       \
+        for (int h = 0; h < 2; h++) digit_store_avx2(j, r0 + r, g * DIGIT_OUTPUTS + 8 * h, acc[r][h], accm[r][h]); \
+}
+DEFINE_TILE_AVX2(4)
+DEFINE_TILE_AVX2(3)
+DEFINE_TILE_AVX2(2)
+DEFINE_TILE_AVX2(1)
+
+static int groups_avx2(const job_t *j, int64_t g_begin, int64_t g_end) {
+    for (int64_t g = g_begin; g < g_end; g++) {
+        int64_t r = 0;
+        for (; r + 4 <= j->rows; r += 4) tile_avx2_4(j, r, g);
+        switch (j->rows - r) {
+        case 3: tile_avx2_3(j, r, g); break;
+        case 2: tile_avx2_2(j, r, g); break;
+        case 1: tile_avx2_1(j, r, g); break;
+        }
+    }
+    return 0;
+}
+
 /* AVX512_VNNI (with F and BW) and the AVX-512 state enabled by the OS, asked of this CPU once. */
 static int cpu_has_vnni(void) {
     static int has = -1;
@@ -1179,13 +1283,14 @@ static int run_groups(groups_fn fn, const job_t *j, int64_t threads) {
     return err;
 }
 
-/* tiles: 0 the vector kernel, 1 the tile kernel. */
-static int matmul_digits(int tiles, const void *x, int x_bf16, int64_t x_stride, int64_t rows,
+/* unit: DIGITS_AVX2, DIGITS_VNNI or DIGITS_TILES. */
+enum { DIGITS_VNNI = 0, DIGITS_TILES = 1, DIGITS_AVX2 = 2 };
+static int matmul_digits(int unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows,
                          const uint8_t *packed, int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride,
                          int64_t threads) {
     if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
     if (!rows) return 0;
-    const int64_t blocks = in / GROUP;
+    const int64_t blocks = in / GROUP, tiles = unit == DIGITS_TILES;
     const int64_t x_rows = tiles ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
     digits_t dg;
     const int err0 = digits_prepare(x, x_bf16, x_stride, rows, x_rows, in, threads, &dg);
@@ -1193,7 +1298,7 @@ static int matmul_digits(int tiles, const void *x, int x_bf16, int64_t x_stride,
     const job_t j = {.w = {tiles ? FORMAT_Q4_AMX : FORMAT_Q4_VNNI, packed, NULL, out, in}, .sx = dg.sx,
                      .sumx = dg.sx + x_rows * blocks, .rows = rows, .y = y, .y_stride = y_stride, .y_bf16 = y_bf16,
                      .xd = dg.xd};
-    const int err = run_groups(tiles ? groups_amx : groups_vnni, &j, threads);
+    const int err = run_groups(tiles ? groups_amx : unit == DIGITS_VNNI ? groups_vnni : groups_avx2, &j, threads);
     free(dg.xd);
     free(dg.sx);
     return err;
@@ -1315,20 +1420,31 @@ int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
     return err;
 }
 
-/* The int8 digit kernels' entry points (MATMUL_DIGITS above): unit 0 the vector kernel, 1 the tiles from
- * AMX_MIN_ROWS rows on, 2 the tiles at any batch size. -ENOSYS where this build has no such kernel or the CPU
- * (AVX512_VNNI; AMX_INT8 for the tiles) or the OS (the tile state) does not offer it. */
+/* The int8 digit kernels' entry points (MATMUL_DIGITS above): unit 0 AVX-512's vector kernel, 1 the tiles from
+ * AMX_MIN_ROWS rows on (the vector kernel below), 2 the tiles at any batch size, 3 AVX2's vector kernel. -ENOSYS
+ * where this build has no such kernel or the CPU (AVX512_VNNI; AMX_INT8 for the tiles) or the OS (the tile
+ * state) does not offer it. */
 static int digits_entry(int unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
                         int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
 #ifdef MATMUL_DIGITS
+    if (unit == 3)
+        return matmul_digits(DIGITS_AVX2, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
     if (!(unit ? amx_ready() : cpu_has_vnni())) return -ENOSYS;
     const int tiles = unit == 2 || (unit == 1 && rows >= AMX_MIN_ROWS);
-    return matmul_digits(tiles, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+    return matmul_digits(tiles ? DIGITS_TILES : DIGITS_VNNI, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16,
+                         y_stride, threads);
 #else
     (void)unit, (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y,
         (void)y_bf16, (void)y_stride, (void)threads;
     return -ENOSYS;
 #endif
+}
+
+/* y [rows, out] = x [rows, in] @ W^T as q4_matmul_vnni, with the same bits, by AVX2 alone (any CPU an AVX2
+ * build runs on). */
+int q4_matmul_avx2(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
+                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+    return digits_entry(3, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 }
 
 /* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by int8 digits on the vector unit (weights in pack_q4's

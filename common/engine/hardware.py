@@ -78,5 +78,5 @@ def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     if "avx512_bf16" in flags:
         return "bf16dot", "decode_matmul.c, the bf16 dot instruction: the CPU has avx512_bf16"
     if "avx2" in flags:
-        return "f32", "decode_matmul.c, fp32 products: the CPU has avx2 and no avx512_bf16"
+        return "avx2", "decode_matmul.c, int8 digits by AVX2: the CPU has avx2, no avx512_vnni or avx512_bf16"
     return "int", "decode_matmul.c, integer products: the CPU has no avx2"

@@ -217,12 +217,19 @@ class Llama(torch.nn.Module):
                         "was built without the kernel); using its AVX512_VNNI half instead")
             mode = "vnni"
         if mode == "vnni" and self.kernels is not None and not self.kernels.has_vnni:
-            # bf16dot where it runs, else the fp32 kernel (every library has it): not torch's int4 kernel,
-            # 10-20x slower on AVX2 hosts at 8-32 rows.
-            mode = "bf16dot" if self.kernels.has_bf16dot else "f32"
+            # The same kernel's AVX2 unit: the same bits again, on any CPU the library runs on.
             log.warning("decode's packed-weight matmuls: the native library cannot run its VNNI kernel here "
                         "(this CPU has no AVX512_VNNI, or the library was built without the kernel); using "
-                        "the %s kernel instead", "bf16 dot" if mode == "bf16dot" else "fp32")
+                        "its AVX2 unit instead (the same bits)")
+            mode = "avx2"
+        if mode == "avx2" and self.kernels is not None and not self.kernels.has_avx2_digits:
+            # A library without the int8 digit kernels (built by a compiler other than GCC >= 11, or for a
+            # CPU without AVX2): bf16dot where it runs, else the fp32 kernel (every library has it), never
+            # torch's int4 kernel (10-20x slower on AVX2 hosts at 8-32 rows).
+            mode = "bf16dot" if self.kernels.has_bf16dot else "f32"
+            log.warning("decode's packed-weight matmuls: the native library has no int8 digit kernel (it was "
+                        "built by a compiler other than GCC 11 or later, or without AVX2); using the %s kernel "
+                        "instead", "bf16 dot" if mode == "bf16dot" else "fp32")
         if mode == "bf16dot" and self.kernels is not None and not self.kernels.has_bf16dot:
             # A library without it (a compiler other than GCC >= 10 on a host without AVX512_BF16, or a CPU
             # without it under HANDOFF_NATIVE_MATMUL=bf16): torch's int4 kernel has the same kind of

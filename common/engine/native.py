@@ -87,12 +87,13 @@ SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # bf16, y's row stride, threads
 # decode_matmul.c's kernels for the packed Q4 weights, in decode_layers.c's numbering (Q4_INDEX)
 Q4_KERNELS = {"int": "q4_matmul", "bf16dot": "q4_matmul_bf16dot", "f32": "q4_matmul_f32", "amx": "q4_matmul_amx",
-              "vnni": "q4_matmul_vnni"}
+              "vnni": "q4_matmul_vnni", "avx2": "q4_matmul_avx2"}
 Q4_INDEX = {kernel: i for i, kernel in enumerate(Q4_KERNELS)}
 # Not a mode: the AMX kernel with its tiles at every batch size, for the tests (q4_matmul's kernel="amx_tiles")
 Q4_ENTRIES = {**Q4_KERNELS, "amx_tiles": "q4_matmul_amx_tiles"}
 # pack_q4's layout for each kernel: the int8 digit kernels read 16 outputs a block together, in their own order
-Q4_LAYOUT = {kernel: "digits" if kernel in ("vnni", "amx", "amx_tiles") else "quads" for kernel in Q4_ENTRIES}
+DIGIT_KERNELS = ("avx2", "vnni", "amx", "amx_tiles")  # one kernel on three units: the same bits on each
+Q4_LAYOUT = {kernel: "digits" if kernel in DIGIT_KERNELS else "quads" for kernel in Q4_ENTRIES}
 MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I]
                   for name in Q4_ENTRIES.values()},
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
@@ -254,6 +255,8 @@ class DecodeKernels:
         # AVX512_VNNI, and by AMX tiles where it also has AMX_INT8 and the OS grants the tile state.
         self.has_vnni = self._matmuls["q4_matmul_vnni"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
         self.has_amx = self._matmuls["q4_matmul_amx"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
+        # Its AVX2 unit, the same bits again, in every GCC 11+ AVX2 build (the portable one included).
+        self.has_avx2_digits = self._matmuls["q4_matmul_avx2"](None, 1, 32, 0, None, 1, 32, None, 1, 1, 1) == 0
 
     @staticmethod
     def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> bool:
@@ -312,8 +315,9 @@ class DecodeKernels:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
         blocks as `pack_q4` lays them out for the kernel (Q4_LAYOUT). kernel: one of Q4_KERNELS, "int"
         (integer products), "bf16dot" (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni"
-        (integer products by int8 digits, `has_vnni`) or "amx" (those by AMX tiles from 13 rows, the same
-        bits, `has_amx`); or "amx_tiles" (the tiles at any batch, for tests). A weight packed in another
+        (integer products by int8 digits, `has_vnni`), "amx" (those by AMX tiles from 13 rows, the same
+        bits, `has_amx`) or "avx2" (those by AVX2, the same bits, `has_avx2_digits`); or "amx_tiles" (the
+        tiles at any batch, for tests). A weight packed in another
         layout, or for other sizes, is refused (ValueError): the kernel would read it as garbage."""
         if x.shape[1] % GROUP:
             raise ValueError(f"q4_matmul: x has {x.shape[1]} inputs, not whole blocks of {GROUP}")
@@ -412,7 +416,8 @@ def matmuls_mode() -> tuple[str, str]:
     (torch's int4 kernel and torch._int_mm), or one of decode_matmul.c's kernels: "int" (integer
     products), "bf16dot" (the bf16 dot instruction, CPUs with AVX512_BF16), "f32" (fp32 FMAs), "vnni"
     (integer products by int8 digits, CPUs with AVX512_VNNI), "amx" (those by AMX tiles from 13 rows, CPUs
-    with AMX_INT8). Raises ValueError on a value it does not know."""
+    with AMX_INT8), "avx2" (those by AVX2 alone); the last three give the same bits. Raises ValueError on a
+    value it does not know."""
     value = os.environ.get(ENV_MATMUL, "auto").strip().lower()
     if value in OFF:
         return "torch", f"torch's int4 kernel ({ENV_MATMUL}={value})"
@@ -426,12 +431,14 @@ def matmuls_mode() -> tuple[str, str]:
         return "amx", f"decode_matmul.c, int8 digits by AMX tiles ({ENV_MATMUL}={value})"
     if value == "vnni":
         return "vnni", f"decode_matmul.c, int8 digits by AVX512_VNNI ({ENV_MATMUL}={value})"
+    if value == "avx2":
+        return "avx2", f"decode_matmul.c, int8 digits by AVX2 ({ENV_MATMUL}={value})"
     if value in ("", "auto"):
         return auto_matmuls()
     raise ValueError(f"{ENV_MATMUL}={value!r}: use 1 or int (decode_matmul.c, integer products), bf16 "
                      "(decode_matmul.c, the bf16 dot instruction), f32 (decode_matmul.c, fp32 products), vnni "
-                     "(decode_matmul.c, int8 digits by AVX512_VNNI), amx (the same by AMX tiles), 0 (torch's "
-                     "int4 kernel) or auto")
+                     "(decode_matmul.c, int8 digits by AVX512_VNNI), amx (the same by AMX tiles), avx2 (the "
+                     "same by AVX2), 0 (torch's int4 kernel) or auto")
 
 
 @functools.cache
