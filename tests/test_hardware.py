@@ -39,7 +39,8 @@ def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, mode):
     monkeypatch.delenv(native_lib.ENV_MATMUL, raising=False)
     assert native_lib.matmuls_mode()[0] == auto_matmuls()[0]
     for value, expected in (("1", "int"), ("on", "int"), ("int", "int"), ("bf16", "bf16dot"), ("f32", "f32"),
-                            ("amx", "amx"), ("vnni", "vnni"), ("avx2", "avx2"), ("0", "torch"), ("off", "torch"), ("auto", auto_matmuls()[0])):
+                            ("amx", "amx"), ("vnni", "vnni"), ("avx2", "avx2"), ("0", "torch"), ("off", "torch"),
+                            ("auto", auto_matmuls()[0])):
         monkeypatch.setenv(native_lib.ENV_MATMUL, value)
         assert native_lib.matmuls_mode()[0] == expected, value
     monkeypatch.setenv(native_lib.ENV_MATMUL, "fast")

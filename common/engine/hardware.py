@@ -60,16 +60,17 @@ def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     tile unit where the CPU also has AMX_INT8, the same bits either way (so AMX and VNNI-only nodes of a
     pool give a request the same tokens). A step's 120 matmuls, weights cold, against the bf16 dot kernel:
     on the Intel AMX VM 0.89x its time at one row and 0.27x at 32; on the AMD Zen VM (VNNI, no AMX) by the
-    vector unit 0.88-0.92x at one row, 0.57-0.64x at 8 and 0.56-0.57x at 32, three runs (docs/benchmarks.md).
+    vector unit 0.88-0.92x at one row, 0.57-0.64x at 8 and 0.56-0.58x at 32, three runs (docs/benchmarks.md).
     Else, where the CPU has AVX512_BF16, the bf16 dot kernel: the file's 4-bit codes themselves (exact in
     bf16) times bf16 activations by the bf16 dot instruction. On the avx512_bf16 VM its 120 matmuls took
     2.4-3.5 ms at one row against the integer kernel's 3.7-5.1 and 45-47 ms at 32 rows against 72-81 (the
     fp32 kernel's: 4.6-6.1 and 62-65).
-    Else, with AVX2, the fp32 kernel, which dequantizes a block once for all rows and multiplies in fp32
-    FMAs: the library's AVX2 build decoded 32 streams 1.43-1.44x and 8 streams 1.17-1.28x as fast as with
-    the integer kernel (one stream 0.82-0.89x: a row alone pays the dequantization a batch shares), and
-    takes the model's fp32 activations unrounded. Without AVX2 (the plain C loops), the integer kernel.
-    torch's int4 kernel is 10-20x slower at 8-32 rows on AVX2 hosts (and 5x at one)."""
+    Else, with AVX2, the same digit kernel's AVX2 unit (vpmaddubsw; the same bits again): in the portable
+    AVX2 build on the AMD VM a step's 120 matmuls took 0.58x the fp32 kernel's time at one row, 0.63x at 8
+    and 0.81x at 32, and one stream decoded 1.5-1.7x as fast (runs in turn; docs/benchmarks.md). The fp32 kernel
+    (HANDOFF_NATIVE_MATMUL=f32), auto's pick there before, is the most exact (fp32 activations unrounded).
+    Without AVX2 (the plain C loops), the integer kernel. torch's int4 kernel is 10-20x slower at 8-32
+    rows on AVX2 hosts (and 5x at one)."""
     flags = cpu_flags() if flags is None else flags
     if {"avx512_vnni", "amx_int8", "amx_tile"} <= flags:
         return "amx", "decode_matmul.c, int8 digits by VNNI and AMX tiles: the CPU has amx_int8"
