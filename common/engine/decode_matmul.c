@@ -26,9 +26,10 @@
  * faster at 32. The fp32 kernel (any AVX2 CPU) dequantizes a block once for every row of a batch, so a
  * row costs about the products alone, where the integer kernel pays its products and the per-block
  * scaling again for every row; at one row the integer kernel is the cheaper of those two
- * (native.matmuls_mode picks per CPU). Last, the int8 digit kernels (AVX512_VNNI, AMX_INT8): the integer
- * kernel's exact products with x's 16-bit integers split into two bytes, by vpdpbusd or by the tile unit
- * with the same bits, reading weights packed in their own order (pack_q4's digits layout).
+ * (native.matmuls_mode picks per CPU). Last, the int8 digit kernels (AVX2, AVX512_VNNI, AMX_INT8; the
+ * default on every AVX2 CPU): the integer kernel's exact products with x's 16-bit integers split into two
+ * bytes, by vpmaddubsw, vpdpbusd or the tile unit with the same bits, reading weights packed in their own
+ * order (pack_q4's digits layout).
  *
  * Invariant 4 (a row's result never depends on the other rows): a row is quantized alone, and every
  * (row, output) pair runs the same operations in the same order whatever the batch, the tiling or the
@@ -39,6 +40,7 @@
  *
  * Threads: the outputs' quads are split between the threads of an OpenMP team, torch's (see run()).
  */
+#define _GNU_SOURCE /* syscall(), for arch_prctl (the AMX tile state): -std=c11 alone leaves it undeclared */
 #include <errno.h>
 #include <math.h>
 #include <omp.h>
@@ -867,8 +869,8 @@ static int run(const job_t *j, int64_t threads) {
     return err;
 }
 
-/* q4 by int8 digits (q4_matmul_vnni where the CPU has AVX512_VNNI; q4_matmul_amx where it also has AMX_INT8
- * and the OS grants the tile state). The integer kernel's exact products, by the byte dot instructions: each
+/* q4 by int8 digits (q4_matmul_avx2 on any AVX2 CPU; q4_matmul_vnni where the CPU has AVX512_VNNI;
+ * q4_matmul_amx where it also has AMX_INT8 and the OS grants the tile state). The integer kernel's exact products, by the byte dot instructions: each
  * row is quantized per block to 16-bit integers as there (|xq| <= XD_MAX), and xq = 256 hi + lo split into two
  * signed bytes; the codes (0-15) times each digit sum exactly in int32, S = 256 S_hi + S_lo (|S| < 2^24, so
  * exact in fp32 too). Then per block, in order, acc += S * (d * sx) and accm += m * sum(x_b), in fp32 over a
@@ -1044,18 +1046,21 @@ DEFINE_TILE_AVX2(3)
 DEFINE_TILE_AVX2(2)
 DEFINE_TILE_AVX2(1)
 
-static int groups_avx2(const job_t *j, int64_t g_begin, int64_t g_end) {
-    for (int64_t g = g_begin; g < g_end; g++) {
-        int64_t r = 0;
-        for (; r + 4 <= j->rows; r += 4) tile_avx2_4(j, r, g);
-        switch (j->rows - r) {
-        case 3: tile_avx2_3(j, r, g); break;
-        case 2: tile_avx2_2(j, r, g); break;
-        case 1: tile_avx2_1(j, r, g); break;
-        }
-    }
-    return 0;
+/* A vector unit's groups g_begin .. g_end - 1 (one thread's part), rows in tiles of 4, then 3, 2 or 1. */
+#define DEFINE_DIGIT_GROUPS(UNIT)                                                                      \
+static int groups_##UNIT(const job_t *j, int64_t g_begin, int64_t g_end) {                             \
+    for (int64_t g = g_begin; g < g_end; g++) {                                                        \
+        int64_t r = 0;                                                                                 \
+        for (; r + 4 <= j->rows; r += 4) tile_##UNIT##_4(j, r, g);                                     \
+        switch (j->rows - r) {                                                                         \
+        case 3: tile_##UNIT##_3(j, r, g); break;                                                       \
+        case 2: tile_##UNIT##_2(j, r, g); break;                                                       \
+        case 1: tile_##UNIT##_1(j, r, g); break;                                                       \
+        }                                                                                              \
+    }                                                                                                  \
+    return 0;                                                                                          \
 }
+DEFINE_DIGIT_GROUPS(avx2)
 
 /* AVX512_VNNI (with F and BW) and the AVX-512 state enabled by the OS, asked of this CPU once. */
 static int cpu_has_vnni(void) {
@@ -1158,18 +1163,7 @@ DEFINE_TILE_VNNI(3)
 DEFINE_TILE_VNNI(2)
 DEFINE_TILE_VNNI(1)
 
-static int groups_vnni(const job_t *j, int64_t g_begin, int64_t g_end) {
-    for (int64_t g = g_begin; g < g_end; g++) {
-        int64_t r = 0;
-        for (; r + 4 <= j->rows; r += 4) tile_vnni_4(j, r, g);
-        switch (j->rows - r) {
-        case 3: tile_vnni_3(j, r, g); break;
-        case 2: tile_vnni_2(j, r, g); break;
-        case 1: tile_vnni_1(j, r, g); break;
-        }
-    }
-    return 0;
-}
+DEFINE_DIGIT_GROUPS(vnni)
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
