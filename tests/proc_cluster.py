@@ -53,11 +53,13 @@ class Proc:
 
 class ProcCluster:
     def __init__(self, tmp_dir: Path, *, num_prefill: int = 1, num_decode: int = 2, kv_memory_gib: float = 0.05,
-                 env: dict | None = None):
+                 env: dict | None = None, proc_env: dict[str, dict] | None = None):
+        """env: every process's extra environment; proc_env: one process's (by name, e.g. "decode-0")."""
         self.tmp_dir = Path(tmp_dir)
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.kv_memory_gib = kv_memory_gib
         self.env = env or {}
+        self.proc_env = proc_env or {}
         self.procs: dict[str, Proc] = {}
 
     def start(self) -> "ProcCluster":
@@ -92,6 +94,7 @@ class ProcCluster:
                 args += ["--kv-port", str(kv_port), "--kv-memory-gib", str(self.kv_memory_gib)]
             proc = Proc(role, name, args, port, kv_port)
         proc.log_path = self.tmp_dir / f"{name}.log"
+        proc.extra_env = dict(self.proc_env.get(name, {}))
         self.procs[name] = proc
         return proc
 
