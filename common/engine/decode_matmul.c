@@ -870,10 +870,10 @@ static int run(const job_t *j, int64_t threads) {
 }
 
 /* q4 by int8 digits (q4_matmul_avx2 on any AVX2 CPU; q4_matmul_vnni where the CPU has AVX512_VNNI;
- * q4_matmul_amx where it also has AMX_INT8 and the OS grants the tile state). The integer kernel's exact products, by the byte dot instructions: each
- * row is quantized per block to 16-bit integers as there (|xq| <= XD_MAX), and xq = 256 hi + lo split into two
- * signed bytes; the codes (0-15) times each digit sum exactly in int32, S = 256 S_hi + S_lo (|S| < 2^24, so
- * exact in fp32 too). Then per block, in order, acc += S * (d * sx) and accm += m * sum(x_b), in fp32 over a
+ * q4_matmul_amx where it also has AMX_INT8 and the OS grants the tile state). The integer kernel's exact
+ * products, by the byte dot instructions: each row is quantized per block to 16-bit integers as there
+ * (|xq| <= XD_MAX), and xq = 256 hi + lo split into two signed bytes; the codes (0-15) times each digit sum
+ * exactly in int32, S = 256 S_hi + S_lo (|S| < 2^24, so exact in fp32 too). Then per block, in order, acc += S * (d * sx) and accm += m * sum(x_b), in fp32 over a
  * group's 16 outputs, and y = acc + accm.
  *
  * Two units, one result. The vector kernel (vpdpbusd) takes a block's 16 outputs x 32 inputs as 8 registers
@@ -884,6 +884,9 @@ static int run(const job_t *j, int64_t threads) {
  * fewer than AMX_MIN_ROWS rows to the vector kernel (too few rows to share the tile unit's fixed cost a
  * block: B stored and loaded, C stored and read back) and a larger one to the tiles, and invariant 4 holds
  * across the switch (a row's result does not depend on the batch's size). */
+/* The digit kernel's units; DIGITS_AMX is q4_matmul_amx's choice: the vector unit below AMX_MIN_ROWS rows, the
+ * tiles from there. */
+typedef enum { DIGITS_AVX2, DIGITS_VNNI, DIGITS_TILES, DIGITS_AMX } digit_unit_t;
 #if defined(MATMUL_AVX2) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define MATMUL_DIGITS 1
 #include <cpuid.h>
@@ -1279,8 +1282,7 @@ static int run_groups(groups_fn fn, const job_t *j, int64_t threads) {
 }
 
 /* unit: DIGITS_AVX2, DIGITS_VNNI or DIGITS_TILES. */
-enum { DIGITS_VNNI = 0, DIGITS_TILES = 1, DIGITS_AVX2 = 2 };
-static int matmul_digits(int unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows,
+static int matmul_digits(digit_unit_t unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows,
                          const uint8_t *packed, int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride,
                          int64_t threads) {
     if (in % GROUP || in <= 0 || out <= 0 || rows < 0) return -EINVAL;
@@ -1415,19 +1417,16 @@ int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, con
     return err;
 }
 
-/* The int8 digit kernels' entry points (MATMUL_DIGITS above): unit 0 AVX-512's vector kernel, 1 the tiles from
- * AMX_MIN_ROWS rows on (the vector kernel below), 2 the tiles at any batch size, 3 AVX2's vector kernel. -ENOSYS
- * where this build has no such kernel or the CPU (AVX512_VNNI; AMX_INT8 for the tiles) or the OS (the tile
- * state) does not offer it. */
-static int digits_entry(int unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                        int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
+/* The int8 digit kernels' entry points (MATMUL_DIGITS above). -ENOSYS where this build has no such kernel or
+ * the CPU (AVX512_VNNI; AMX_INT8 for the tiles, DIGITS_AMX included) or the OS (the tile state) does not offer
+ * the unit. */
+static int digits_entry(digit_unit_t unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows,
+                        const uint8_t *packed, int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride,
+                        int64_t threads) {
 #ifdef MATMUL_DIGITS
-    if (unit == 3)
-        return matmul_digits(DIGITS_AVX2, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
-    if (!(unit ? amx_ready() : cpu_has_vnni())) return -ENOSYS;
-    const int tiles = unit == 2 || (unit == 1 && rows >= AMX_MIN_ROWS);
-    return matmul_digits(tiles ? DIGITS_TILES : DIGITS_VNNI, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16,
-                         y_stride, threads);
+    if (unit == DIGITS_VNNI ? !cpu_has_vnni() : unit != DIGITS_AVX2 && !amx_ready()) return -ENOSYS;
+    if (unit == DIGITS_AMX) unit = rows >= AMX_MIN_ROWS ? DIGITS_TILES : DIGITS_VNNI;
+    return matmul_digits(unit, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 #else
     (void)unit, (void)x, (void)x_bf16, (void)x_stride, (void)rows, (void)packed, (void)out, (void)in, (void)y,
         (void)y_bf16, (void)y_stride, (void)threads;
@@ -1439,24 +1438,24 @@ static int digits_entry(int unit, const void *x, int x_bf16, int64_t x_stride, i
  * build runs on). */
 int q4_matmul_avx2(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
                    int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-    return digits_entry(3, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+    return digits_entry(DIGITS_AVX2, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 }
 
 /* y [rows, out] = x [rows, in] @ W^T as q4_matmul, by int8 digits on the vector unit (weights in pack_q4's
  * digits layout). */
 int q4_matmul_vnni(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
                    int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-    return digits_entry(0, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+    return digits_entry(DIGITS_VNNI, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 }
 
 /* The same bits as q4_matmul_vnni, by AMX tiles from AMX_MIN_ROWS rows on. */
 int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
                   int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-    return digits_entry(1, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+    return digits_entry(DIGITS_AMX, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 }
 
 /* q4_matmul_amx with the tiles at any batch size: the tests' proof that both units give the same bits. */
 int q4_matmul_amx_tiles(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
                         int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads) {
-    return digits_entry(2, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
+    return digits_entry(DIGITS_TILES, x, x_bf16, x_stride, rows, packed, out, in, y, y_bf16, y_stride, threads);
 }

@@ -67,10 +67,10 @@ def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     fp32 kernel's: 4.6-6.1 and 62-65).
     Else, with AVX2, the same digit kernel's AVX2 unit (vpmaddubsw; the same bits again): in the portable
     AVX2 build on the AMD VM a step's 120 matmuls took 0.58x the fp32 kernel's time at one row, 0.63x at 8
-    and 0.81x at 32, and one stream decoded 1.5-1.7x as fast (runs in turn; docs/benchmarks.md). The fp32 kernel
-    (HANDOFF_NATIVE_MATMUL=f32), auto's pick there before, is the most exact (fp32 activations unrounded).
-    Without AVX2 (the plain C loops), the integer kernel. torch's int4 kernel is 10-20x slower at 8-32
-    rows on AVX2 hosts (and 5x at one)."""
+    and 0.81x at 32, and one stream decoded 1.5-1.7x as fast (runs in turn; docs/benchmarks.md). The fp32
+    kernel (HANDOFF_NATIVE_MATMUL=f32), auto's pick there before, is the most exact (fp32 activations
+    unrounded). Without AVX2 (the plain C loops), the integer kernel. torch's int4 kernel is 10-20x slower
+    at 8-32 rows on AVX2 hosts (and 5x at one)."""
     flags = cpu_flags() if flags is None else flags
     if {"avx512_vnni", "amx_int8", "amx_tile"} <= flags:
         return "amx", "decode_matmul.c, int8 digits by VNNI and AMX tiles: the CPU has amx_int8"

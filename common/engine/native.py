@@ -317,8 +317,8 @@ class DecodeKernels:
         (integer products), "bf16dot" (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs), "vnni"
         (integer products by int8 digits, `has_vnni`), "amx" (those by AMX tiles from 13 rows, the same
         bits, `has_amx`) or "avx2" (those by AVX2, the same bits, `has_avx2_digits`); or "amx_tiles" (the
-        tiles at any batch, for tests). A weight packed in another
-        layout, or for other sizes, is refused (ValueError): the kernel would read it as garbage."""
+        tiles at any batch, for tests). A weight packed in another layout, or for other sizes, is refused
+        (ValueError): the kernel would read it as garbage."""
         if x.shape[1] % GROUP:
             raise ValueError(f"q4_matmul: x has {x.shape[1]} inputs, not whole blocks of {GROUP}")
         layout = Q4_LAYOUT[kernel]
