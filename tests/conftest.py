@@ -108,14 +108,15 @@ def native_kernels():
     return k
 
 
-def other_build(tmp_path: Path, march: str):
+def other_build(tmp_path: Path, march: str, extra: tuple[str, ...] = ()):
     """The decode kernels built for another -march into tmp_path (x86-64: the plain C loops; x86-64-v3: the
-    image's portable AVX2 build), for tests that compare builds bit for bit."""
+    image's portable AVX2 build; extra flags after it, e.g. -mno-avx2), for tests that compare builds bit
+    for bit."""
     from common.engine import native
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    path = tmp_path / f"decode_kernels-{march}.so"
-    native._compile(native._compiler(None), native.march_flags(march), path)
+    path = tmp_path / f"decode_kernels-{march}{''.join(extra)}.so"
+    native._compile(native._compiler(None), native.march_flags(march) + list(extra), path)
     return native.DecodeKernels(path)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine import native
-from tests.conftest import native_kernels
+from tests.conftest import native_kernels, other_build
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2's shape
@@ -100,6 +100,31 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_split_between_threads_and_moved
         moved_kv[dst * BLOCK:(dst + 1) * BLOCK] = kv[src * BLOCK:(src + 1) * BLOCK]
     moved = _run(k, q[row:row + 1], moved_kv, new_blocks[None, :].contiguous(), lens_t[row:row + 1])
     assert torch.equal(moved[0], one_thread[row])
+
+
+@pytest.mark.parametrize("extra", [("-mno-avx2",), ()], ids=["plain-c", "portable-avx2"])
+def test_other_builds_compute_the_same_bits(tmp_path, extra):
+    """The plain C loops, the AVX2 kernel (8 positions' scores side by side, V's sums in registers by half
+    rows) and this host's build (AVX-512 where it has it: 16 positions, whole rows) sum in one order: a
+    worker's tokens do not depend on which build or CPU it runs. Lengths cross the 8- and 16-position chunks
+    and the blocks; rows split between threads and not. The plain loops are built with FMA (x86-64-v3 less
+    AVX2), as every build the project ships: a build without FMA (-march=x86-64) rounds each product before
+    adding it, other bits in fp32."""
+    k = native_kernels()
+    other = other_build(tmp_path, "x86-64-v3", extra)
+    lens = [1, 7, 8, 9, 15, 16, 17, 31, 33, 100, 1030]
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, kv, tables, lens_t = _case(dtype, lens, seed=5)
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                assert torch.equal(_run(other, q, kv, tables, lens_t), _run(k, q, kv, tables, lens_t)), (dtype, n)
+            # one row: its 9 heads split 4 / 5 between two threads, a KV head's query heads on both
+            assert torch.equal(_run(other, q[-1:], kv, tables[-1:], lens_t[-1:]),
+                               _run(k, q[-1:], kv, tables[-1:], lens_t[-1:])), dtype
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_non_finite_values_outside_a_row_do_not_reach_it():

@@ -26,6 +26,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define ATTENTION_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTENTION_AVX2 1
 #endif
 
 #include "decode_bf16.h"
@@ -87,6 +90,33 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+#define VEC_LOAD_BF16 load16_bf16 /* a register's worth of K or V widened to fp32 */
+#define VEC_LOAD_F32 load16_f32
+#endif
+
+#ifdef ATTENTION_AVX2
+/* sum_lanes of 8 positions at once in 256-bit registers, the same additions on the same operands (so the
+ * same bits): v[p] holds position p's a_i = l_i + l_(i+8), i = 0..7 (sum_lanes' first level, one add of
+ * its two halves). out[p] = sum_lanes(position p's 16 lanes). */
+static inline void sum_lanes8(const __m256 v[8], float out[8]) {
+    __m256 l2[4], l3[2];
+    for (int j = 0; j < 4; j++) /* a_i + a_(i+4): positions 2j (lanes 0-3), 2j + 1 (4-7) */
+        l2[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+                              _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+    for (int k = 0; k < 2; k++) /* b0 = a0 + a2, b1 = a1 + a3: positions 4k, 4k + 2 (low half), 4k + 1, 4k + 3 */
+        l3[k] = _mm256_add_ps(_mm256_shuffle_ps(l2[2 * k], l2[2 * k + 1], 0x44),
+                              _mm256_shuffle_ps(l2[2 * k], l2[2 * k + 1], 0xee));
+    /* b0 + b1: positions 0, 2, 4, 6, 1, 3, 5, 7; put back in order */
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(l3[0], l3[1], 0x88), _mm256_shuffle_ps(l3[0], l3[1], 0xdd));
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+#define VEC_LOAD_BF16 load8_bf16
+#define VEC_LOAD_F32 load8_f32
 #endif
 
 /* Asks for `bytes` at p to be fetched into the caches: a slot of the next block, while the current block
@@ -133,6 +163,47 @@ static inline void NAME(const float *restrict qf, const T *restrict slots, const
         }                                                                                              \
     }                                                                                                  \
 }
+#elif defined(ATTENTION_AVX2)
+/* 8 positions at once, each position's 16 lanes as two registers (lanes 0-7, 8-15) added into sum_lanes'
+ * first level, then sum_lanes8. */
+#define SCORE_HALVES(T, VLOAD, DIM)                                                                    \
+    for (int64_t p = 0; p < 8; p++) {                                                                  \
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();                                     \
+        if (p < m) {                                                                                   \
+            const T *k = slots + (i0 + p) * slot_stride + (hq / group) * (DIM);                        \
+            for (int64_t d0 = 0; d0 < (DIM); d0 += LANES) {                                            \
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qf + hq * (DIM) + d0), VLOAD(k + d0), lo);        \
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qf + hq * (DIM) + d0 + 8), VLOAD(k + d0 + 8), hi); \
+            }                                                                                          \
+        }                                                                                              \
+        halves[p] = _mm256_add_ps(lo, hi);                                                             \
+    }
+#define DEFINE_SCORES(NAME, T, LOAD, VLOAD)                                                            \
+static inline void NAME(const float *restrict qf, const T *restrict slots, const T *next, int64_t n,   \
+                        int64_t slot_stride, int64_t hq0, int64_t hq1, int64_t group, int64_t dim,     \
+                        float *restrict scores, int64_t len, float *restrict top) {                    \
+    const int64_t h0 = hq0 / group, bytes = ((hq1 - 1) / group + 1 - h0) * dim * (int64_t)sizeof(T);   \
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {                                                            \
+        const int64_t m = n - i0 < 8 ? n - i0 : 8;                                                     \
+        for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
+            __m256 halves[8];                                                                          \
+            float sc[8];                                                                               \
+            if (next) /* the chunk's positions of the next block, spread over the heads */            \
+                for (int64_t p = hq - hq0; p < m; p += hq1 - hq0)                                      \
+                    prefetch_heads(next + (i0 + p) * slot_stride + h0 * dim, bytes);                   \
+            if (dim == 64) { /* SmolLM2's: the loop over dims unrolled */                           \
+                SCORE_HALVES(T, VLOAD, 64)                                                             \
+            } else {                                                                                   \
+                SCORE_HALVES(T, VLOAD, dim)                                                            \
+            }                                                                                          \
+            sum_lanes8(halves, sc);                                                                    \
+            for (int64_t p = 0; p < m; p++) {                                                          \
+                scores[hq * len + i0 + p] = sc[p];                                                     \
+                if (sc[p] > top[hq]) top[hq] = sc[p];                                                  \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+}
 #else
 #define DEFINE_SCORES(NAME, T, LOAD, VLOAD)                                                            \
 static inline void NAME(const float *restrict qf, const T *restrict slots, const T *next, int64_t n,   \
@@ -153,8 +224,8 @@ static inline void NAME(const float *restrict qf, const T *restrict slots, const
     }                                                                                                  \
 }
 #endif
-DEFINE_SCORES(scores_bf16, uint16_t, bf16_to_f32, load16_bf16)
-DEFINE_SCORES(scores_f32, float, LOAD_F32, load16_f32)
+DEFINE_SCORES(scores_bf16, uint16_t, bf16_to_f32, VEC_LOAD_BF16)
+DEFINE_SCORES(scores_f32, float, LOAD_F32, VEC_LOAD_F32)
 
 /* The weighted sum of V, acc[hq * dim + d] = sum over positions p, in order, of w[hq, p] * v[p, d], for
  * query heads hq0 .. hq1 - 1. Each term is one fused multiply-add into the running sum, from zero: the
@@ -204,6 +275,47 @@ static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_
     }                                                                                                  \
     return 0;                                                                                          \
 }
+#elif defined(ATTENTION_AVX2)
+/* 16 registers: a tile is up to V_TILE2 query heads x half of head_dim (4 registers each), 12 sums; V's
+ * loads go straight into the multiply-adds (a KV head's half row is read from L1 once per query head). */
+#define V_TILE2 3
+#define DEFINE_WEIGHTED_V(NAME, T, VLOAD)                                                              \
+static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_t slot_stride,          \
+                       int64_t kv_heads, int64_t len, int64_t hq0, int64_t hq1, int64_t group, int64_t dim, \
+                       const float *scores, float *acc) {                                              \
+    if (dim != 64) return -1;                                                                          \
+    for (int64_t t0 = hq0; t0 < hq1; t0 += V_TILE2) {                                                  \
+        const int64_t nt = hq1 - t0 < V_TILE2 ? hq1 - t0 : V_TILE2;                                    \
+        const int64_t h0 = t0 / group, h1 = (t0 + nt - 1) / group + 1;                                 \
+        for (int64_t half = 0; half < dim; half += 32) {                                               \
+            __m256 a[V_TILE2][4];                                                                      \
+            for (int t = 0; t < V_TILE2; t++)                                                          \
+                for (int k = 0; k < 4; k++) a[t][k] = _mm256_setzero_ps();                             \
+            for (int64_t p0 = 0; p0 < len; p0 += block) {                                              \
+                const T *slots = kv + blocks[p0 / block] * block * slot_stride + kv_heads * dim;       \
+                const int64_t n = len - p0 < block ? len - p0 : block;                                 \
+                const T *next = half == 0 && p0 + block < len                                          \
+                                    ? kv + blocks[p0 / block + 1] * block * slot_stride + kv_heads * dim \
+                                    : NULL;                                                            \
+                for (int64_t i = 0; i < n; i++) {                                                      \
+                    if (next) prefetch_heads(next + i * slot_stride + h0 * dim, (h1 - h0) * dim * (int64_t)sizeof(T)); \
+                    const T *row = slots + i * slot_stride + half;                                     \
+                    const float *w = scores + p0 + i;                                                  \
+                    for (int t = 0; t < V_TILE2; t++) {                                                \
+                        if (t == nt) break;                                                            \
+                        const int64_t hq = t0 + t;                                                     \
+                        const T *v = row + (hq / group) * dim;                                         \
+                        const __m256 wt = _mm256_set1_ps(w[hq * len]);                                 \
+                        for (int k = 0; k < 4; k++) a[t][k] = _mm256_fmadd_ps(wt, VLOAD(v + 8 * k), a[t][k]); \
+                    }                                                                                  \
+                }                                                                                      \
+            }                                                                                          \
+            for (int t = 0; t < nt; t++)                                                               \
+                for (int k = 0; k < 4; k++) _mm256_storeu_ps(acc + (t0 + t) * dim + half + 8 * k, a[t][k]); \
+        }                                                                                              \
+    }                                                                                                  \
+    return 0;                                                                                          \
+}
 #else
 #define DEFINE_WEIGHTED_V(NAME, T, VLOAD)                                                              \
 static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_t slot_stride,          \
@@ -214,8 +326,8 @@ static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_
     return -1;                                                                                         \
 }
 #endif
-DEFINE_WEIGHTED_V(weighted_v_bf16, uint16_t, load16_bf16)
-DEFINE_WEIGHTED_V(weighted_v_f32, float, load16_f32)
+DEFINE_WEIGHTED_V(weighted_v_bf16, uint16_t, VEC_LOAD_BF16)
+DEFINE_WEIGHTED_V(weighted_v_f32, float, VEC_LOAD_F32)
 
 /* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the
  * slot's K (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of
