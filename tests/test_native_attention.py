@@ -194,9 +194,9 @@ def test_builds_are_kept_per_cpu_and_source(monkeypatch, tmp_path):
 
 def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_path, monkeypatch):
     """`python -m common.engine.native --portable OUT` (deploy/Dockerfile), loaded through
-    HANDOFF_NATIVE_LIBRARY as a compiler-less pod does. Its attention is the plain C loop (no AVX-512);
-    an AVX-512 build sums 16 positions' scores side by side: the same bits, so a pod's tokens do not
-    depend on which library it loaded."""
+    HANDOFF_NATIVE_LIBRARY as a compiler-less pod does. Its attention sums 8 positions' scores side by
+    side (AVX2), an AVX-512 build 16: the same bits, so a pod's tokens do not depend on which library it
+    loaded."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     host = native_kernels()  # this host's own build, before the environment points elsewhere

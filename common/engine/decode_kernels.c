@@ -39,7 +39,8 @@
 
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), |r| <= ln2 / 2, about 2 ulp. */
 static inline float exp_nonpositive(float x_in) {
-    /* Branch-free (a select at the end) so that loops over it vectorize. */
+    /* Branch-free (selects, which -fno-trapping-math lets GCC blend: native.FLAGS) so that loops over it
+     * vectorize. */
     const float x = x_in < -87.0f ? -87.0f : x_in;
     /* x * log2(e) rounded to an integer: adding and removing 1.5 * 2^23 leaves no fraction (|x| < 2^22) */
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
