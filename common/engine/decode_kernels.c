@@ -133,71 +133,62 @@ static inline void prefetch_heads(const void *p, int64_t bytes) {
 /* Scores of one block's n positions for query heads hq0 .. hq1 - 1 (q already scaled, fp32): scores[hq *
  * len + i] = q . k, 16 lanes (lane l: dims l, 16 + l, ...; a fused multiply-add each, from zero), then
  * sum_lanes; and each head's running maximum. `next` (the following block, or NULL) is prefetched a
- * few slots at a time. Both versions compute the same bits: the AVX-512 one takes 16 positions at once so
- * that sum_lanes16 sums them side by side. */
+ * few slots at a time. Every version computes the same bits: the AVX-512 one takes 16 positions at once so
+ * that sum_lanes16 sums them side by side, the AVX2 one 8 (sum_lanes8). */
+#if defined(ATTENTION_AVX512) || defined(ATTENTION_AVX2)
+/* The vector versions: SCORE_CHUNK positions at once for a head, their lanes summed side by side
+ * (CHUNK_SCORES: sum_lanes16 or sum_lanes8), the loop over dims unrolled at head_dim 64 (SmolLM2's). */
 #ifdef ATTENTION_AVX512
-#define DEFINE_SCORES(NAME, T, LOAD, VLOAD)                                                            \
-static inline void NAME(const float *restrict qf, const T *restrict slots, const T *next, int64_t n,   \
-                        int64_t slot_stride, int64_t hq0, int64_t hq1, int64_t group, int64_t dim,     \
-                        float *restrict scores, int64_t len, float *restrict top) {                    \
-    const int64_t h0 = hq0 / group, bytes = ((hq1 - 1) / group + 1 - h0) * dim * (int64_t)sizeof(T);   \
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {                                                           \
-        const int64_t m = n - i0 < 16 ? n - i0 : 16;                                                   \
-        for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
-            __m512 lanes[16];                                                                          \
-            float sc[16];                                                                              \
-            if (next) /* the chunk's positions of the next block, spread over the heads */            \
-                for (int64_t p = hq - hq0; p < m; p += hq1 - hq0)                                      \
-                    prefetch_heads(next + (i0 + p) * slot_stride + h0 * dim, bytes);                   \
-            for (int64_t p = 0; p < 16; p++) {                                                         \
-                lanes[p] = _mm512_setzero_ps();                                                        \
-                if (p >= m) continue;                                                                  \
-                const T *k = slots + (i0 + p) * slot_stride + (hq / group) * dim;                      \
-                for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                            \
-                    lanes[p] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + hq * dim + d0), VLOAD(k + d0), lanes[p]); \
-            }                                                                                          \
-            sum_lanes16(lanes, sc);                                                                    \
-            for (int64_t p = 0; p < m; p++) {                                                          \
-                scores[hq * len + i0 + p] = sc[p];                                                     \
-                if (sc[p] > top[hq]) top[hq] = sc[p];                                                  \
-            }                                                                                          \
-        }                                                                                              \
-    }                                                                                                  \
-}
-#elif defined(ATTENTION_AVX2)
-/* 8 positions at once, each position's 16 lanes as two registers (lanes 0-7, 8-15) added into sum_lanes'
- * first level, then sum_lanes8. */
-#define SCORE_HALVES(T, VLOAD, DIM)                                                                    \
-    for (int64_t p = 0; p < 8; p++) {                                                                  \
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();                                     \
-        if (p < m) {                                                                                   \
+#define SCORE_CHUNK 16
+#define CHUNK_SCORES(T, VLOAD, DIM)                                                                    \
+    {                                                                                                  \
+        __m512 lanes[16];                                                                              \
+        for (int64_t p = 0; p < 16; p++) {                                                             \
+            lanes[p] = _mm512_setzero_ps();                                                            \
+            if (p >= m) continue;                                                                      \
             const T *k = slots + (i0 + p) * slot_stride + (hq / group) * (DIM);                        \
-            for (int64_t d0 = 0; d0 < (DIM); d0 += LANES) {                                            \
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qf + hq * (DIM) + d0), VLOAD(k + d0), lo);        \
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qf + hq * (DIM) + d0 + 8), VLOAD(k + d0 + 8), hi); \
-            }                                                                                          \
+            for (int64_t d0 = 0; d0 < (DIM); d0 += LANES)                                              \
+                lanes[p] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + hq * (DIM) + d0), VLOAD(k + d0), lanes[p]); \
         }                                                                                              \
-        halves[p] = _mm256_add_ps(lo, hi);                                                             \
+        sum_lanes16(lanes, sc);                                                                        \
     }
+#else
+/* Each position's 16 lanes as two registers (lanes 0-7, 8-15) added into sum_lanes' first level. */
+#define SCORE_CHUNK 8
+#define CHUNK_SCORES(T, VLOAD, DIM)                                                                    \
+    {                                                                                                  \
+        __m256 halves[8];                                                                              \
+        for (int64_t p = 0; p < 8; p++) {                                                              \
+            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();                                 \
+            if (p < m) {                                                                               \
+                const T *k = slots + (i0 + p) * slot_stride + (hq / group) * (DIM);                    \
+                for (int64_t d0 = 0; d0 < (DIM); d0 += LANES) {                                        \
+                    lo = _mm256_fmadd_ps(_mm256_loadu_ps(qf + hq * (DIM) + d0), VLOAD(k + d0), lo);    \
+                    hi = _mm256_fmadd_ps(_mm256_loadu_ps(qf + hq * (DIM) + d0 + 8), VLOAD(k + d0 + 8), hi); \
+                }                                                                                      \
+            }                                                                                          \
+            halves[p] = _mm256_add_ps(lo, hi);                                                         \
+        }                                                                                              \
+        sum_lanes8(halves, sc);                                                                        \
+    }
+#endif
 #define DEFINE_SCORES(NAME, T, LOAD, VLOAD)                                                            \
 static inline void NAME(const float *restrict qf, const T *restrict slots, const T *next, int64_t n,   \
                         int64_t slot_stride, int64_t hq0, int64_t hq1, int64_t group, int64_t dim,     \
                         float *restrict scores, int64_t len, float *restrict top) {                    \
     const int64_t h0 = hq0 / group, bytes = ((hq1 - 1) / group + 1 - h0) * dim * (int64_t)sizeof(T);   \
-    for (int64_t i0 = 0; i0 < n; i0 += 8) {                                                            \
-        const int64_t m = n - i0 < 8 ? n - i0 : 8;                                                     \
+    for (int64_t i0 = 0; i0 < n; i0 += SCORE_CHUNK) {                                                  \
+        const int64_t m = n - i0 < SCORE_CHUNK ? n - i0 : SCORE_CHUNK;                                 \
         for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
-            __m256 halves[8];                                                                          \
-            float sc[8];                                                                               \
+            float sc[SCORE_CHUNK];                                                                     \
             if (next) /* the chunk's positions of the next block, spread over the heads */            \
                 for (int64_t p = hq - hq0; p < m; p += hq1 - hq0)                                      \
                     prefetch_heads(next + (i0 + p) * slot_stride + h0 * dim, bytes);                   \
-            if (dim == 64) { /* SmolLM2's: the loop over dims unrolled */                           \
-                SCORE_HALVES(T, VLOAD, 64)                                                             \
+            if (dim == 64) {                                                                           \
+                CHUNK_SCORES(T, VLOAD, 64)                                                             \
             } else {                                                                                   \
-                SCORE_HALVES(T, VLOAD, dim)                                                            \
+                CHUNK_SCORES(T, VLOAD, dim)                                                            \
             }                                                                                          \
-            sum_lanes8(halves, sc);                                                                    \
             for (int64_t p = 0; p < m; p++) {                                                          \
                 scores[hq * len + i0 + p] = sc[p];                                                     \
                 if (sc[p] > top[hq]) top[hq] = sc[p];                                                  \
