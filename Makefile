@@ -43,7 +43,7 @@ run: protos
 	$(PY) -m router.cluster --prompt "$(PROMPT)" $(ARGS)
 
 test: protos
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q tests --durations=20 $(ARGS)
 
 bench: protos
 	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)" || \

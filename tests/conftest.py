@@ -108,6 +108,15 @@ def native_kernels():
     return k
 
 
+def skip_where_bf16_is_emulated(what: str) -> None:
+    """Skip a bf16 case that an fp32 case covers on hosts whose CPU has no native bf16 (AVX2 only), where
+    `auto` serves fp32 and torch's bf16 GEMMs are emulated (prefill 5-6x slower): the case still runs on
+    every host with native bf16, where bf16 is the default."""
+    from common.engine.hardware import auto_dtype
+    if auto_dtype()[0] != torch.bfloat16:
+        pytest.skip(f"{what}: bf16 is emulated on this CPU (auto serves fp32 here, whose case covers it)")
+
+
 def other_build(tmp_path: Path, march: str, extra: tuple[str, ...] = ()):
     """The decode kernels built for another -march into tmp_path (x86-64: the plain C loops; x86-64-v3: the
     image's portable AVX2 build; extra flags after it, e.g. -mno-avx2), for tests that compare builds bit
