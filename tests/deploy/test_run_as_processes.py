@@ -7,7 +7,6 @@ import math
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from urllib.parse import urlparse, urlunparse
 import grpc
 import pytest
 
+from common.ports import free_port
 from tests.deploy.manifests import (
     API_KEYS_SECRET,
     COMPOSED,
@@ -140,12 +140,6 @@ def test_expand_matches_the_kubelet():
     env = {"A": "1", "B": "two"}
     assert expand("--a=$(A) $(B)$(B)", env) == "--a=1 twotwo"
     assert expand("$$(A) $(C) $(A", env) == "$(A) $(C) $(A"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_serving(port: int, proc: subprocess.Popen, deadline: float, what: str, logs,
