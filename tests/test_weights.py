@@ -280,3 +280,29 @@ def test_the_gguf_reader_reads_what_gguf_s_own_reader_does(smollm2_path):
     for a, b in zip(ours.tensors, theirs.tensors):
         assert (a.tensor_type, a.shape, a.n_bytes) == (b.tensor_type, tuple(int(d) for d in b.shape), b.n_bytes), a.name
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
+
+
+def test_blocks_dequantize_to_gguf_s_bits(smollm2_path):
+    """weights._dequantize_blocks (whole tensors in torch) against the gguf package's dequantize: every
+    quantized tensor of the real file (Q4_1, the Q8_0 embedding), and Q4_0 / Q4_1 / Q8_0 blocks the
+    package quantizes from random values, including blocks of one value (d = 0)."""
+    from common.engine.gguf_file import GGUFFile
+    from common.engine.weights import _dequantize_blocks
+
+    def same_bits(raw, qtype):
+        ours = _dequantize_blocks(raw, qtype.name)
+        theirs = gguf.quants.dequantize(raw, qtype)
+        assert ours is not None and tuple(ours.shape) == theirs.shape, qtype
+        assert np.array_equal(ours.numpy().view(np.uint32), theirs.astype(np.float32).view(np.uint32)), qtype
+
+    seen = set()
+    for t in GGUFFile(smollm2_path).tensors:
+        if t.tensor_type.name != "F32":
+            same_bits(np.asarray(t.data), t.tensor_type)
+            seen.add(t.tensor_type.name)
+    assert seen == {"Q4_1", "Q8_0"}
+    values = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    values[3] = 0.5
+    for qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+        same_bits(gguf.quants.quantize(values, qtype), qtype)
+    assert _dequantize_blocks(np.zeros((2, 210), np.uint8), "Q6_K") is None  # the package's path

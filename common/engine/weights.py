@@ -98,7 +98,7 @@ def file_digest(paths: list[Path]) -> str:
 
 # --------------------------------------------------------------------------- GGUF
 
-def _undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+def _undo_llama_cpp_permute(w, num_heads: int):  # a numpy array or a torch tensor
     # llama.cpp's converter reorders each head's rows from [first half | second half]
     # (HF's rotate_half layout) to interleaved pairs; this is its exact inverse.
     rows = w.shape[0]
@@ -221,6 +221,9 @@ class GGUFTensors(Mapping):
             raise ModelLoadError(f"{self._path}: tensor {t.name} ({t.tensor_type.name}) could not be read: "
                                  f"{exc}; the file may be truncated or corrupt") from exc
 
+    def __contains__(self, name) -> bool:  # Mapping's reads the tensor to answer
+        return name in self._entries
+
     def __iter__(self):
         return iter(self._entries)
 
@@ -230,16 +233,40 @@ class GGUFTensors(Mapping):
 
 def _dequantize(t, heads: int | None) -> torch.Tensor:
     """One GGUF tensor as HF has it: fp32, [out, in], llama.cpp's Q/K row order undone."""
-    import gguf
+    w = _dequantize_blocks(np.asarray(t.data), t.tensor_type.name)
+    if w is None:
+        import gguf
 
-    w = gguf.quants.dequantize(t.data, t.tensor_type)
-    # GGUF lists dimensions innermost first; numpy's view is already [out, in].
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    # GGUF lists dimensions innermost first; the rows are already [out, in].
     expected = tuple(int(d) for d in reversed(t.shape))
-    if w.shape != expected:
+    if tuple(w.shape) != expected:
         w = w.reshape(expected)
     if heads is not None:
         w = _undo_llama_cpp_permute(w, heads)
-    return torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+    return w.contiguous()
+
+
+def _dequantize_blocks(raw: np.ndarray, qtype: str) -> torch.Tensor | None:
+    """Q4_0, Q4_1 or Q8_0 blocks (uint8, [rows, bytes]) → fp32 [rows, values], the whole tensor in a few
+    torch operations with the gguf package's arithmetic (fp32 d * q, + m for Q4_1), so the same bits;
+    None for other types. The package loops over groups of rows in Python: 3 of a worker's 6 s of
+    start-up, this about a fifth of that."""
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(qtype)
+    if block_bytes is None or raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % block_bytes:
+        return None
+    rows = raw.shape[0]
+    blocks = torch.from_numpy(np.array(raw)).view(rows, -1, block_bytes)  # a copy: the map is read-only
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
+    if qtype == "Q8_0":
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).view(rows, -1)
+    qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+    # Low nibbles hold a block's first 16 values, high nibbles the next 16.
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()
+    if qtype == "Q4_0":
+        return q.sub_(8).mul_(d).view(rows, -1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return q.mul_(d).add_(m).view(rows, -1)
 
 
 def _gguf_to_hf_name(name: str, path: Path) -> str | None:
