@@ -13,7 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.engine.engine import Engine, EngineConfig
 from common.engine.kv_cache import KVCache
 from common.kv_wire import encode_kv
-from common.engine.models import resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
 from common.engine.runner import ModelRunner
 from common.engine.sampling import SamplingParams
@@ -65,15 +64,7 @@ def engine_alone_greedy(cluster, prompt_ids, max_tokens):
     return [t for e in events for t in e.token_ids]
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    p = resolve_model_path("smollm2")
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-
-
-def test_greedy_through_cluster_equals_engine_and_hf(cluster, stub, hf_model):
+def test_greedy_through_cluster_equals_engine_and_hf(cluster, stub, hf_smollm2):
     tok = cluster.decode[0].tokenizer
     for prompt in PROMPTS:
         msgs, ids, text = generate(stub, prompt=prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -83,13 +74,13 @@ def test_greedy_through_cluster_equals_engine_and_hf(cluster, stub, hf_model):
         prompt_ids = tok.encode(prompt)
         assert ids == engine_alone_greedy(cluster, prompt_ids, 16), prompt
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
+            ref = hf_smollm2.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
                                     min_new_tokens=16)
         assert ids == ref[0, len(prompt_ids):].tolist(), prompt
     wait_idle(cluster)
 
 
-def test_logprobs_through_the_cluster_equal_hf(cluster, stub, hf_model):
+def test_logprobs_through_the_cluster_equal_hf(cluster, stub, hf_smollm2):
     """Generate with logprobs: the first token's (from the prefill worker) and every decode token's
     logprob and top 5 are HF's fp32 log-softmax within 1e-4, one entry per token id; a request that
     ends at EOS lists no entry for it; nothing comes back unasked."""
@@ -101,7 +92,7 @@ def test_logprobs_through_the_cluster_equal_hf(cluster, stub, hf_model):
     assert [lp.token_id for lp in lps] == ids and len(ids) == 8
     prompt_ids = tok.encode(prompt)
     with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt_ids + ids[:-1]])).logits[0, len(prompt_ids) - 1:].float()
+        logits = hf_smollm2(torch.tensor([prompt_ids + ids[:-1]])).logits[0, len(prompt_ids) - 1:].float()
     ref = torch.log_softmax(logits, dim=-1)
     for pos, lp in enumerate(lps):
         assert abs(lp.logprob - ref[pos, lp.token_id].item()) < 1e-4, pos

@@ -134,11 +134,11 @@ def test_bf16_logits_refine_the_top_candidates(smollm2_model, smollm2_tokenizer,
 
 
 @pytest.mark.parametrize("dtype,int4,paged,matmuls", [
-    (torch.bfloat16, True, True, "auto"), (torch.bfloat16, False, True, "auto"), (torch.float32, False, True, "auto"),
+    (None, True, True, "auto"), (torch.bfloat16, False, True, "auto"), (torch.float32, False, True, "auto"),
     (torch.bfloat16, True, False, "auto"), (torch.bfloat16, True, True, "int"), (torch.bfloat16, True, True, "torch"),
     (torch.float32, True, True, "f32"), (torch.bfloat16, True, True, "vnni"), (torch.bfloat16, True, True, "bf16dot"),
     (torch.float32, True, True, "avx2")],
-    ids=["bf16+int4", "bf16", "fp32", "bf16+int4-eager-attention", "bf16+int4-integer-matmuls",
+    ids=["default-dtype+int4", "bf16", "fp32", "bf16+int4-eager-attention", "bf16+int4-integer-matmuls",
          "bf16+int4-torch-matmuls", "fp32+int4-fp32-matmuls", "bf16+int4-vnni-matmuls", "bf16+int4-bf16dot-matmuls",
          "fp32+int4-avx2-matmuls"])
 def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_tokenizer, monkeypatch, dtype, int4,
@@ -146,7 +146,8 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
     """Invariant 4 at its root: the logits a decode row gives (and the K/V it writes) do not depend on
     the batch's size or on the other rows' context lengths (which set the eager path's attention span).
     Contexts from 1 to ~600 tokens; batches from 1 to 13 rows, some of them rows of one sequence
-    (replay). With the native paged-attention kernel (the default where it builds) and with the eager
+    (replay). In the defaults (the dtype this host serves, bf16 where the CPU has it natively and fp32 on
+    AVX2 hosts, with int4 decode), and in the cases below. With the native paged-attention kernel (the default where it builds) and with the eager
     gather + SDPA path it falls back to. The packed weights' matmuls as this CPU picks them
     (HANDOFF_NATIVE_MATMUL unset: decode_matmul.c's int8 digit kernel where the CPU has AVX512_VNNI, whose
     13-row batch crosses from its vector half to its tiles where it has AMX_INT8; its bf16 dot kernel where
@@ -156,13 +157,15 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
     from common.engine import native
     from common.engine.hardware import auto_dtype, auto_matmuls
     from common.engine.runner import DecodeItem
+    if dtype is None:  # the defaults: the dtype this host serves (bf16 where native, else fp32), int4 decode
+        dtype = auto_dtype()[0]
     if matmuls != "auto" and matmuls == auto_matmuls()[0]:
         pytest.skip(f"{matmuls} is this host's default: the auto case covers it")
     if dtype == torch.bfloat16 and not int4:
         skip_where_bf16_is_emulated("dense bf16 decode")
     if dtype == torch.bfloat16 and (matmuls != "auto" or not paged) and auto_dtype()[0] != torch.bfloat16:
         # Another kernel than the host's own, in the dtype this host serves: bf16 is emulated here (its
-        # prefill 5-6x slower), and the bf16+int4 case runs the default kernels in bf16.
+        # prefill 5-6x slower), the dtype the default case runs in here.
         dtype = torch.float32
     if matmuls == "vnni" and not (native.kernel() is not None and native.kernel().has_vnni):
         pytest.skip("no VNNI kernel here (the CPU has no AVX512_VNNI, or the compiler is not GCC 11+)")
