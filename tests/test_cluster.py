@@ -75,7 +75,7 @@ def test_greedy_through_cluster_equals_engine_and_hf(cluster, stub, hf_smollm2):
         assert ids == engine_alone_greedy(cluster, prompt_ids, 16), prompt
         with torch.no_grad():
             ref = hf_smollm2.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
-                                    min_new_tokens=16)
+                                       min_new_tokens=16)
         assert ids == ref[0, len(prompt_ids):].tolist(), prompt
     wait_idle(cluster)
 

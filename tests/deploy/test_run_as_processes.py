@@ -189,9 +189,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
     port_map: dict[int, int] = {}
     for component in POOLS:
         for p in container(deployments[component])["ports"]:
-            while (local := free_port()) in port_map.values():
-                pass
-            port_map[p["containerPort"]] = local
+            port_map[p["containerPort"]] = free_port()  # never the same port twice in a process
 
     server = EmbeddedRedis(password=password).start()
     procs: dict[str, subprocess.Popen] = {}
