@@ -212,6 +212,18 @@ def hf_smollm2(smollm2_path):
     return model.eval()
 
 
+@pytest.fixture
+def bench_systems(hf_smollm2):
+    """The engine benchmark's two systems in the dtype this host serves, as `make bench` picks it (bf16
+    where the CPU has it natively, else fp32, sharing the session's HF reference): (dtype name, Ours, HF)."""
+    from common.bench import engine
+    from common.engine.hardware import auto_dtype
+    from common.engine.runner import DTYPE_NAMES
+    dtype = auto_dtype()[0]
+    name = DTYPE_NAMES[dtype]
+    return name, engine.Ours(name, num_blocks=32), engine.HF(name, hf_smollm2 if dtype == torch.float32 else None)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF generate(do_sample=False) with no EOS (it runs on through one, as ignore_eos does): the new tokens.
 

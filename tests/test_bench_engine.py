@@ -10,12 +10,12 @@ from common.bench import engine
 from common.bench.bandwidth import ReadBandwidth
 
 
-def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys):
-    ours, hf = engine.Ours("bf16", num_blocks=32), engine.HF("bf16")
+def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys, bench_systems):
+    dtype, ours, hf = bench_systems
     bandwidth = ReadBandwidth(16 << 20)
     passes_before = bandwidth.num_passes
     steps = 3
-    engine.bench_decode(ours, hf, [1], steps=steps, warmup=1, bandwidth=bandwidth, dtype="bf16")
+    engine.bench_decode(ours, hf, [1], steps=steps, warmup=1, bandwidth=bandwidth, dtype=dtype)
     recs = {r["name"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
 
     in_turn, best = recs["memory_read_bandwidth_in_turn"], recs["memory_read_bandwidth"]
@@ -28,7 +28,7 @@ def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys):
     assert not [n for n in recs if "bandwidth" in n and n.startswith("decode_tok_s")]
 
     tok_s = recs["decode_tok_s_1seq"]["value"]
-    for label in ("bf16", "read"):
+    for label in (dtype, "read"):
         bound = recs[f"decode_1seq_bound_{label}_weights"]
         nbytes = bound["weight_bytes"]
         assert bound["value"] == pytest.approx(in_turn["value"] * 1e9 / nbytes, rel=2e-3)

@@ -61,10 +61,10 @@ def test_the_long_context_figure_is_listed_only_where_it_runs():
     assert engine.llama_cpp_figures({"decode"}, {128: 5}, [8, 32], long_context=1024) == []
 
 
-def test_one_stream_at_a_long_context_is_measured_against_hf(capsys):
+def test_one_stream_at_a_long_context_is_measured_against_hf(capsys, bench_systems):
     """bench_decode_long (llama.cpp absent here, or not): ours and HF step in turn after a longer prompt,
     and the figure names its context."""
-    ours, hf = engine.Ours("bf16", num_blocks=32), engine.HF("bf16")
+    _, ours, hf = bench_systems
     capsys.readouterr()
     engine.bench_decode_long(ours, hf, 160, steps=3, warmup=1, llama=None)
     [rec] = json_lines(capsys.readouterr().out)
@@ -94,12 +94,12 @@ def test_make_installs_a_pinned_llama_cpp_outside_the_requirements():
 
 @pytest.mark.skipif(LLAMA_CPP_MISSING is not None,
                     reason=f"{LLAMA_CPP_MISSING}; {llamacpp.HOW_TO_GET}")
-def test_tiny_run_emits_the_llama_cpp_figures(capsys):
+def test_tiny_run_emits_the_llama_cpp_figures(capsys, bench_systems):
     from common.bench.bandwidth import ReadBandwidth
 
     threads = torch.get_num_threads()
     figures = engine.llama_cpp_figures({"prefill", "decode"}, {128: 1}, [1], long_context=160)
-    ours, hf = engine.Ours("bf16", num_blocks=32), engine.HF("bf16")
+    dtype, ours, hf = bench_systems
     llama = engine.load_llama_cpp(figures, threads, n_ctx=512)
     assert llama is not None and llama.llm.context_params.n_threads == threads
 
@@ -113,7 +113,7 @@ def test_tiny_run_emits_the_llama_cpp_figures(capsys):
     bandwidth.measure(1)
     capsys.readouterr()
     engine.bench_prefill(ours, hf, {128: 1}, llama)
-    engine.bench_decode(ours, hf, [1], steps=3, warmup=1, bandwidth=bandwidth, dtype="bf16", llama=llama,
+    engine.bench_decode(ours, hf, [1], steps=3, warmup=1, bandwidth=bandwidth, dtype=dtype, llama=llama,
                         long_context=160)
     recs = {r["name"]: r for r in json_lines(capsys.readouterr().out)}
 

@@ -193,13 +193,19 @@ class Ours:
 class HF:
     name = PEER
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, model=None):
+        """model: an HF model of the same GGUF already loaded in `dtype` (tests share one; loading takes
+        about 15 s), else it is loaded here."""
         from transformers import AutoModelForCausalLM, GgufConfig
 
         from common.engine.models import resolve_model_path
         from common.engine.runner import parse_dtype
 
         quiet_hf()
+        if model is not None:
+            assert model.dtype == parse_dtype(dtype), (model.dtype, dtype)
+            self.model = model
+            return
         p = resolve_model_path(MODEL)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(p.parent), gguf_file=p.name, dtype=parse_dtype(dtype),

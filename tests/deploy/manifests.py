@@ -1,7 +1,8 @@
 """deploy/: the image recipe and the Kubernetes manifests — rendered, validated, scanned, and run.
 
 Everything here works offline except the first policy scan on a new machine, which installs
-checkov into its own virtual environment (.venv/tools/checkov-<version>) from the package
+checkov into its own virtual environment (in the user's cache, ~/.cache/handoff/checkov-<version>-py<X.Y>,
+so that a fresh clone on the same machine does not install it again) from the package
 index: checkov pins networkx<2.7 and packaging 23, which would downgrade what torch and
 transformers use in the project's venv.
 
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -78,7 +80,8 @@ POOL_METRICS = {"prefill": "handoff_prefill_queue_depth", "decode": "handoff_dec
 CHECKOV_VERSION = "3.3.30"
 
 
-CHECKOV_VENV = ROOT / ".venv" / "tools" / f"checkov-{CHECKOV_VERSION}"
+CHECKOV_VENV = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "handoff"
+                / f"checkov-{CHECKOV_VERSION}-py{sys.version_info[0]}.{sys.version_info[1]}")
 
 
 # Checks skipped for every rendered manifest, and why; everything else checkov has must pass.

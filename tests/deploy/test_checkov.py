@@ -23,14 +23,14 @@ from tests.deploy.manifests import (
 
 
 def checkov() -> Path:
-    """checkov in its own venv under .venv/tools, installed on first use (a file lock keeps
-    parallel runs from installing twice)."""
+    """checkov in its own venv in the user's cache, installed on first use (a file lock keeps
+    parallel runs from installing twice); a venv whose base interpreter is gone is installed again."""
     exe = CHECKOV_VENV / "bin" / "checkov"
     done = CHECKOV_VENV / ".installed"
     CHECKOV_VENV.parent.mkdir(parents=True, exist_ok=True)
     with open(CHECKOV_VENV.parent / f".checkov-{CHECKOV_VERSION}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
+        if not (done.exists() and (CHECKOV_VENV / "bin" / "python").resolve().exists()):
             shutil.rmtree(CHECKOV_VENV, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(CHECKOV_VENV)], check=True, timeout=120)
             proc = subprocess.run([str(CHECKOV_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
