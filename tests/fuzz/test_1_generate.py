@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(600)  # a hang is one of the failures looked fo
 GENERATE_USED_RIDS: set[str] = set()
 
 
-@settings(FUZZ, max_examples=550)
+@settings(FUZZ, max_examples=450)
 @given(spec=generate_requests())
 def test_fuzz_generate(cluster, channels, baseline, spec):
     raw = spec.encode(ctx_for(cluster, ""))
