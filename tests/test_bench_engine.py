@@ -28,9 +28,11 @@ def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys, b
     assert not [n for n in recs if "bandwidth" in n and n.startswith("decode_tok_s")]
 
     tok_s = recs["decode_tok_s_1seq"]["value"]
-    for label in (dtype, "read"):
-        bound = recs[f"decode_1seq_bound_{label}_weights"]
-        nbytes = bound["weight_bytes"]
+    kv = ours.runner.cache.kv  # [layers, slots, 2, kv_heads, head_dim]
+    context = engine.CHAT_PROMPT_LEN + 1 + steps // 2  # the measured steps' median position
+    for name, label in ((f"{dtype}_weights", dtype), ("read_weights", "read"), ("step", "step")):
+        bound = recs[f"decode_1seq_bound_{name}"]
+        nbytes = bound["weight_bytes"] + bound["kv_bytes"]
         assert bound["value"] == pytest.approx(in_turn["value"] * 1e9 / nbytes, rel=2e-3)
         assert bound["best_pass_bound"] == pytest.approx(best["value"] * 1e9 / nbytes, rel=2e-3)
         frac, frac_best = (recs[f"decode_1seq_fraction_of_bound_{label}{s}"] for s in ("", "_best_pass"))
@@ -38,3 +40,8 @@ def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys, b
         assert frac_best["value"] == pytest.approx(tok_s / bound["best_pass_bound"], rel=2e-3)
         assert frac_best["value"] <= frac["value"] * (1 + 2e-3)
         assert "median pass in turn" in frac["unit"] and "best pass" in frac_best["unit"]
+        # The 0.6 target is on every byte a step reads: the weights decode reads, and the sequence's K/V.
+        assert ("target" in frac) == (name == "step")
+    step, read = recs["decode_1seq_bound_step"], recs["decode_1seq_bound_read_weights"]
+    assert step["weight_bytes"] == read["weight_bytes"] and read["kv_bytes"] == 0
+    assert step["kv_bytes"] == context * kv.shape[0] * 2 * kv.shape[3] * kv.shape[4] * kv.element_size() > 0
