@@ -483,6 +483,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
     """Per batch size: the engine, the bare runner and HF (and llama.cpp at batch 1) step in turn, one step
     each, `steps` times. With `long_context`, one stream again after a prompt of that many tokens."""
     from common.bench.bandwidth import decode_bound_tok_s
+    from common.engine.planner import kv_bytes_per_token
 
     _, prompt_ids = chat_prompt(ours.tokenizer, CHAT_PROMPT_LEN)
     max_tokens = warmup + steps + 8  # nobody finishes while measured
@@ -559,23 +560,24 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
     # A step also reads its sequence's K/V, every layer's, up to its position: at the measured steps'
     # median context (the prompt, the warm-up steps, half the measured ones), 5 % of the weights' bytes
     # at this prompt's length in fp32, as much as the weights from ~2,000 tokens.
-    kv = ours.runner.cache.kv  # [layers, slots, 2, kv_heads, head_dim]
+    c = model.config
     context = CHAT_PROMPT_LEN + warmup + steps // 2
-    kv_bytes = context * kv.shape[0] * kv[0, 0].numel() * kv.element_size()
+    kv_bytes = context * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, ours.runner.cache.kv.element_size())
     # Two bounds a step: at the median pass taken in turn with the steps (the same spells of the shared
     # machine, as every other ratio here), and at the run's best pass (the memory at its quietest moment,
     # set against steps taken at other moments: a lower fraction, the stricter reading). The target is
     # on every byte a step reads (weights as decode reads them, and the K/V); the weights alone are shown.
     read_what = "what a batch-1 step reads of the weights" + (": packed int4 layers + the int8 lm_head" if use_int4
                                                               else "")
-    for name, label, nbytes, what, target in (
-            (f"{dtype}_weights", dtype, dense_bytes, "every weight dense", False),
-            ("read_weights", "read", read_bytes, read_what, False),
-            ("step", "step", read_bytes + kv_bytes, f"{read_what}, and the K/V of {context} positions", True)):
+    for name, label, weight_bytes, step_kv_bytes, what, target in (
+            (f"{dtype}_weights", dtype, dense_bytes, 0, "every weight dense", False),
+            ("read_weights", "read", read_bytes, 0, read_what, False),
+            ("step", "step", read_bytes, kv_bytes, f"{read_what}, and the K/V of {context} positions", True)):
+        nbytes = weight_bytes + step_kv_bytes
         bound = decode_bound_tok_s(gbs_in_turn, nbytes)
         emit(f"decode_1seq_bound_{name}", bound, f"tok/s ({nbytes / 1e6:.1f} MB per step, {what}, "
-             "at the median pass in turn)", weight_bytes=nbytes - (kv_bytes if target else 0),
-             kv_bytes=kv_bytes if target else 0, best_pass_bound=decode_bound_tok_s(gbs, nbytes))
+             "at the median pass in turn)", weight_bytes=weight_bytes, kv_bytes=step_kv_bytes,
+             best_pass_bound=decode_bound_tok_s(gbs, nbytes))
         for suffix, at in (("", "the median pass in turn"), ("_best_pass", "the run's best pass")):
             frac = engine_tok_s_1 / decode_bound_tok_s(gbs_in_turn if not suffix else gbs, nbytes)
             kw = dict(target=">= 0.6", met=frac >= 0.6) if target else {}
