@@ -562,7 +562,8 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
     # at this prompt's length in fp32, as much as the weights from ~2,000 tokens.
     c = model.config
     context = CHAT_PROMPT_LEN + warmup + steps // 2
-    kv_bytes = context * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, ours.runner.cache.kv.element_size())
+    kv_bytes = context * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
+                                            ours.runner.cache.kv.element_size())
     # Two bounds a step: at the median pass taken in turn with the steps (the same spells of the shared
     # machine, as every other ratio here), and at the run's best pass (the memory at its quietest moment,
     # set against steps taken at other moments: a lower fraction, the stricter reading). The target is
