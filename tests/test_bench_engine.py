@@ -14,6 +14,7 @@ def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys, b
     dtype, ours, hf = bench_systems
     bandwidth = ReadBandwidth(16 << 20)
     passes_before = bandwidth.num_passes
+    layers_before = list(ours.model.native_layers or ())
     steps = 3
     engine.bench_decode(ours, hf, [1], steps=steps, warmup=1, bandwidth=bandwidth, dtype=dtype)
     recs = {r["name"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
@@ -45,3 +46,14 @@ def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys, b
     step, read = recs["decode_1seq_bound_step"], recs["decode_1seq_bound_read_weights"]
     assert step["weight_bytes"] == read["weight_bytes"] and read["kv_bytes"] == 0
     assert step["kv_bytes"] == context * kv.shape[0] * 2 * kv.shape[3] * kv.shape[4] * kv.element_size() > 0
+
+    # The loop with every layer on layer 0's weights gives the model its own layers back, and its figure is
+    # set against the runner's of the same rotation.
+    assert list(ours.model.native_layers or ()) == layers_before
+    cached = recs.get("decode_1seq_runner_cached_layers_tok_s")
+    assert (cached is not None) == engine.CachedLayersDecode.applies(ours)
+    if cached is not None:
+        runner = recs["decode_runner_tok_s_1seq"]["value"]
+        assert cached["runner_tok_s"] == runner
+        assert cached["runner_fraction"] == pytest.approx(runner / cached["value"], rel=2e-3)
+        assert 0 < cached["layer_weight_bytes"] < step["weight_bytes"]

@@ -300,7 +300,7 @@ class RunnerDecode:
         kernels = ours.model.kernels
         self.sampler = Sampler(argmax=kernels.argmax if kernels is not None else None)  # as the engine's
         self.greedy = SamplingParams(temperature=0.0)
-        self.seq_ids = [f"runner-{i}" for i in range(bsz)]
+        self.seq_ids = [f"{self.name}-{i}" for i in range(bsz)]
         for s in self.seq_ids:
             self.runner.cache.pool.allocate(s, len(prompt_ids) + max_tokens + 1)
         self.next = self._sample(self.runner.prefill([PrefillItem(s, prompt_ids) for s in self.seq_ids]))
@@ -325,6 +325,34 @@ class RunnerDecode:
     def close(self) -> None:
         for s in self.seq_ids:
             self.runner.cache.pool.free(s)
+
+
+class CachedLayersDecode(RunnerDecode):
+    """The bare runner with every layer reading layer 0's packed int4 weights (a few MB, so they stay in the
+    CPU's caches): a step's instructions without its layers' tens of MB from memory. Its tokens mean
+    nothing; its step time set against the runner's says how much of a step the memory costs. Where the
+    two are level, the step is bound by the kernels' arithmetic, not by the memory."""
+
+    name = "runner_cached_layers"
+
+    def __init__(self, ours: Ours, prompt_ids: list[int], bsz: int, max_tokens: int):
+        super().__init__(ours, prompt_ids, bsz, max_tokens)
+        layers = ours.model.native_layers
+        per_layer = len(layers) // ours.model.config.num_layers
+        self.cached = type(layers)(*[layers[i % per_layer] for i in range(len(layers))])
+
+    @staticmethod
+    def applies(ours: Ours) -> bool:
+        """Only where decode runs the native int4 layer stack (decode_layers.c), whose pointers it swaps."""
+        return ours.model.native_layers is not None and ours.model.has_int4 and ours.runner.int4_decode
+
+    def steps(self, n: int) -> list[float]:
+        model = self.runner.model
+        layers, model.native_layers = model.native_layers, self.cached
+        try:
+            return super().steps(n)
+        finally:
+            model.native_layers = layers
 
 
 class HFDecode:
@@ -495,6 +523,8 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         log(f"decode {bsz} seq: prefilling {bsz} x {CHAT_PROMPT_LEN} tokens in each system")
         loops = [EngineDecode(ours, prompt_ids, bsz, max_tokens), RunnerDecode(ours, prompt_ids, bsz, max_tokens),
                  HFDecode(hf, prompt_ids, bsz, max_tokens)]
+        if bsz == 1 and CachedLayersDecode.applies(ours):  # right after the runner: the same predecessor kind
+            loops.insert(2, CachedLayersDecode(ours, prompt_ids, bsz, max_tokens))
         if llama is not None and bsz == 1:
             loops.append(llamacpp.LlamaCppDecode(llama, prompt_ids, max_tokens))
         if bsz == 1:
@@ -514,6 +544,13 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
              best_ratio=best["engine"] / best[PEER], **kw)
         emit(f"decode_runner_tok_s_{bsz}seq", tok_s["runner"], "tok/s (ModelRunner.decode + Sampler, median step)",
              peer=PEER, peer_value=tok_s[PEER], batch=bsz, best_ratio=best["runner"] / best[PEER])
+        if CachedLayersDecode.name in tok_s:
+            cached = tok_s.pop(CachedLayersDecode.name)
+            best.pop(CachedLayersDecode.name)
+            emit("decode_1seq_runner_cached_layers_tok_s", cached,
+                 "tok/s (the bare runner, every layer reading layer 0's int4 weights from cache; median step)",
+                 runner_tok_s=tok_s["runner"], runner_fraction=tok_s["runner"] / cached,
+                 layer_weight_bytes=ours.model.decode_weight_bytes(use_int4=True) - ours.model.lm_head_int8.nbytes)
         if llamacpp.NAME in tok_s:
             emit(f"decode_tok_s_{bsz}seq_vs_llama_cpp", tok_s["engine"], "tok/s (Engine.step, median step)",
                  peer=llamacpp.NAME, peer_value=tok_s[llamacpp.NAME], batch=bsz, context_len=CHAT_PROMPT_LEN,
