@@ -3,6 +3,7 @@ bounds, one pass a round, and each fraction says which bandwidth it divides by."
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -57,3 +58,16 @@ def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys, b
         assert cached["runner_tok_s"] == runner
         assert cached["runner_fraction"] == pytest.approx(runner / cached["value"], rel=2e-3)
         assert 0 < cached["layer_weight_bytes"] < step["weight_bytes"]
+
+
+def test_a_bandwidth_pass_is_followed_by_its_settle_step_outside_its_timing():
+    calls = []
+
+    def settle():
+        calls.append(len(calls))
+        time.sleep(0.2)  # far longer than a pass over 1 MiB
+
+    passes = engine.BandwidthPasses(ReadBandwidth(1 << 20), settle=settle)
+    seconds = passes.steps(3)
+    assert calls == [0, 1, 2]
+    assert len(seconds) == 3 and all(0 < s < 0.2 for s in seconds)

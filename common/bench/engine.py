@@ -138,7 +138,8 @@ def same_prefix(a: list[int], b: list[int]) -> int:
 def interleave(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list]:
     """Call each fn once per round, rotating who goes first, so slow spells of a shared machine hit all.
     Who follows whom stays fixed (a shuffled order was tried: a step that came right after llama.cpp's ran
-    beside its threads still spinning, and every figure of ours dropped by 15-30 %)."""
+    beside its threads still spinning, and every figure of ours dropped by 15-30 %); the bandwidth pass,
+    which evicts every cache, is followed by an untimed step of ours (BandwidthPasses.settle)."""
     names = list(fns)
     out: dict[str, list] = {n: [] for n in names}
     for r in range(rounds):
@@ -273,15 +274,28 @@ class BandwidthPasses:
     in the same spells as the steps it bounds. How fast the memory reads swings with what else the host
     runs (a plain 2-thread read of 1 GiB ran at 41-50 GB/s, and seconds later at 76-81, on the AVX-512
     EPYC VM), so a bound from the run's best pass, set against a median step taken at other moments, mixes
-    two machines."""
+    two machines.
+
+    A pass reads 1 GiB and leaves every cache, and the TLBs, full of its own lines: the step that came right
+    after one ran 3.5 % slower than the same step after another decode step (the engine and the bare runner
+    swapped places, three alternations each, on the Zen 3 VM), and in the rotation that was always the
+    engine's. In service a decode step follows the previous step, so `settle`, where given, is called after
+    each pass, outside its timing: one untimed decode step, so that every timed step follows a decode step.
+    """
 
     name = "bandwidth"
 
-    def __init__(self, bandwidth: ReadBandwidth):
+    def __init__(self, bandwidth: ReadBandwidth, settle: Callable[[], object] | None = None):
         self.bandwidth = bandwidth
+        self.settle = settle
 
     def steps(self, n: int) -> list[float]:
-        return [self.bandwidth.one_pass() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            out.append(self.bandwidth.one_pass())
+            if self.settle is not None:
+                self.settle()
+        return out
 
     def close(self) -> None:
         pass
@@ -292,10 +306,11 @@ class RunnerDecode:
 
     name = "runner"
 
-    def __init__(self, ours: Ours, prompt_ids: list[int], bsz: int, max_tokens: int):
+    def __init__(self, ours: Ours, prompt_ids: list[int], bsz: int, max_tokens: int, name: str | None = None):
         from common.engine.runner import PrefillItem
         from common.engine.sampling import Sampler, SamplingParams
 
+        self.name = name or type(self).name
         self.runner = ours.runner
         kernels = ours.model.kernels
         self.sampler = Sampler(argmax=kernels.argmax if kernels is not None else None)  # as the engine's
@@ -527,8 +542,10 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
             loops.insert(2, CachedLayersDecode(ours, prompt_ids, bsz, max_tokens))
         if llama is not None and bsz == 1:
             loops.append(llamacpp.LlamaCppDecode(llama, prompt_ids, max_tokens))
-        if bsz == 1:
-            loops.append(BandwidthPasses(bandwidth))
+        settle = None
+        if bsz == 1:  # the pass, then an untimed step of ours: every timed step follows a decode step
+            settle = RunnerDecode(ours, prompt_ids, bsz, max_tokens, name="settle")
+            loops.append(BandwidthPasses(bandwidth, settle=partial(settle.steps, 1)))
         by_name = {loop.name: loop for loop in loops}
         times: dict[str, list[float]] = {}
         tok_s, best = step_in_turn(loops, bsz, steps, warmup, times)
@@ -565,7 +582,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
                      f"greedy output")
         if bsz == 1:
             engine_tok_s_1 = tok_s["engine"]
-        for loop in reversed(loops):  # the runner's blocks first: the engine checks its pool is all its own
+        for loop in ([settle] if settle else []) + loops[::-1]:  # the engine last: it checks its pool is its own
             loop.close()
         del loops, by_name
         gc.collect()
