@@ -568,7 +568,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
             emit("decode_1seq_runner_cached_layers_tok_s", cached,
                  "tok/s (the bare runner, every layer reading layer 0's int4 weights from cache; median step)",
                  runner_tok_s=tok_s["runner"], runner_fraction=tok_s["runner"] / cached,
-                 layer_weight_bytes=ours.model.decode_weight_bytes(use_int4=True) - ours.model.lm_head_int8.nbytes)
+                 layer_weight_bytes=ours.model.decode_layer_weight_bytes(use_int4=True))
         if llamacpp.NAME in tok_s:
             emit(f"decode_tok_s_{bsz}seq_vs_llama_cpp", tok_s["engine"], "tok/s (Engine.step, median step)",
                  peer=llamacpp.NAME, peer_value=tok_s[llamacpp.NAME], batch=bsz, context_len=CHAT_PROMPT_LEN,

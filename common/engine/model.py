@@ -303,7 +303,11 @@ class Llama(torch.nn.Module):
 
     def decode_weight_bytes(self, use_int4: bool) -> int:
         """Bytes of weights one decode step reads (the embedding row gather aside)."""
-        total = self.lm_head_int8.nbytes
+        return self.lm_head_int8.nbytes + self.decode_layer_weight_bytes(use_int4)
+
+    def decode_layer_weight_bytes(self, use_int4: bool) -> int:
+        """Bytes of the layers' matmul weights one decode step reads (the LM head aside)."""
+        total = 0
         for layer in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
                 packed = layer[name + "4"] if use_int4 else None
