@@ -147,6 +147,33 @@ def _assert_rows_batch_invariant(matmuls: dict, rows: torch.Tensor, gen: torch.G
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kernel", ["int", "f32", "avx2", "q8"])
+def test_more_threads_than_cores_take_each_others_parts_and_every_output_once(kernel):
+    """A matmul's threads each stream their own part and then take what is left of the others' from the back
+    (decode_matmul.c, run_parts). With 7 threads on this machine's cores most parts wait for a thread the OS
+    has not run yet, so they are taken by the others, from both ends at once: every output is computed, once,
+    with the bits it gets on one thread, at 1, 3 and 9 rows."""
+    k = native_kernels() if kernel != "avx2" else _avx2_digits_kernels()
+    codes, d, m, _ = _q4_weight(1000, 576, seed=5)
+    if kernel == "q8":
+        head, scales = native.pack_q8(torch.randint(-127, 128, (1000, 576), dtype=torch.int8), torch.rand(1000) * 0.01)
+        f = lambda x: k.q8_matmul(x, head, scales, 1000)  # noqa: E731
+    else:
+        packed = _pack(codes, d, m, kernel)
+        f = lambda x: k.q4_matmul(x, packed, 1000, kernel=kernel)  # noqa: E731
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [f(x[:rows]) for rows in (1, 3, 9)]
+        torch.set_num_threads(7)
+        for _ in range(20):
+            for rows, want in zip((1, 3, 9), alone):
+                assert torch.equal(f(x[:rows]), want), f"{kernel}: {rows} rows on 7 threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_x_rows_of_a_wider_tensor_are_read_in_place():
     """x may be a view with a row stride (a slice of qkv, say): the same result as a contiguous copy."""
     k = native_kernels()

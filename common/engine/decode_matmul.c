@@ -44,6 +44,7 @@
 #include <errno.h>
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -852,22 +853,76 @@ static void part_range(int64_t part, int64_t parts, int64_t unit, int64_t n, int
     if (*begin > n) *begin = n;
 }
 
-/* Contiguous ranges of quads, one per thread of an OpenMP team: the library is linked against the
- * libgomp torch has loaded (same soname), so these are torch's own intra-op threads, already spinning
- * after torch's last op; a pool of our own beside them made the two fight for the cores (a 1-row step
- * took 38.7 against 16.4 ms with torch's threads told not to spin). */
-static int run(const job_t *j, int64_t threads) {
-    const int64_t n = quads(&j->w), units = (n + SPLIT_QUADS - 1) / SPLIT_QUADS;
+typedef int (*range_fn)(const job_t *, int64_t, int64_t);
+
+/* What is left of one thread's part: [front, back) of its work units, both ends in one word, so that its
+ * owner (from the front) and a thief (from the back) never take the same unit. */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t span; /* front in the low 32 bits, back in the high 32 */
+} part_t;
+#define MAX_PARTS 64
+#define STEAL_BYTES 32768 /* about this many bytes of weights a take (8 KiB to 64 KiB: the same within 1 %) */
+
+/* Takes up to `chunk` units from the front (from_back 0) or the back of *p into [*b, *e); 0 when empty. */
+static int take(part_t *p, int64_t chunk, int from_back, int64_t *b, int64_t *e) {
+    uint64_t s = atomic_load_explicit(&p->span, memory_order_relaxed);
+    for (;;) {
+        const int64_t front = (int64_t)(uint32_t)s, back = (int64_t)(s >> 32);
+        if (front >= back) return 0;
+        const int64_t n = back - front < chunk ? back - front : chunk;
+        const int64_t nf = from_back ? front : front + n, nb = from_back ? back - n : back;
+        if (atomic_compare_exchange_weak_explicit(&p->span, &s, (uint64_t)nb << 32 | (uint64_t)nf,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+            *b = from_back ? nb : front;
+            *e = from_back ? back : nf;
+            return 1;
+        }
+    }
+}
+
+/* n units of work (groups or quads; `unit` of them the split's granularity, `chunk` a take) on an OpenMP team:
+ * the library is linked against the libgomp torch has loaded (same soname), so these are torch's own intra-op
+ * threads, already spinning after torch's last op (a pool of our own beside them made the two fight for the
+ * cores: a 1-row step took 38.7 against 16.4 ms with torch's threads told not to spin). Each thread streams
+ * its own contiguous part, `chunk` units at a time from the front; one that runs out takes what is left of
+ * the others' from their back, a chunk at a time. With the parts fixed, the faster of two threads had
+ * waited for the other at the end of each of a step's 120 matmuls: 0.39-0.55 ms of a one-row step's 2.4-2.5 ms
+ * in them (Zen 3 VM, AVX2 only, two vCPUs that get uneven time); taking each other's tails, a step took
+ * 0.98-0.99x as long at 1 row, 0.98x at 8 and 32 (medians, in-process alternation; docs/benchmarks.md).
+ * Which thread computes a unit never changes its bits. */
+static int run_parts(range_fn fn, const job_t *j, int64_t n, int64_t unit, int64_t chunk, int64_t threads) {
+    const int64_t units = (n + unit - 1) / unit;
     if (threads > units) threads = units;
-    if (threads <= 1) return run_quads(j, 0, n);
+    if (threads > MAX_PARTS) threads = MAX_PARTS;
+    if (threads <= 1) return fn(j, 0, n);
+    part_t parts[MAX_PARTS];
+    for (int64_t p = 0; p < threads; p++) {
+        int64_t begin, end;
+        part_range(p, threads, unit, n, &begin, &end);
+        atomic_init(&parts[p].span, (uint64_t)end << 32 | (uint64_t)begin);
+    }
     int err = 0;
 #pragma omp parallel num_threads((int)threads) reduction(| : err)
     {
-        int64_t begin, end;
-        part_range(omp_get_thread_num(), omp_get_num_threads(), SPLIT_QUADS, n, &begin, &end);
-        if (begin < end) err |= run_quads(j, begin, end);
+        const int64_t me = omp_get_thread_num();
+        int64_t b, e;
+        while (!err && take(&parts[me], chunk, 0, &b, &e)) err |= fn(j, b, e);
+        /* then the others' (a team smaller than asked leaves parts with no owner: these take them too) */
+        for (int64_t k = 1; k < threads && !err; k++)
+            while (!err && take(&parts[(me + k) % threads], chunk, 1, &b, &e)) err |= fn(j, b, e);
     }
     return err;
+}
+
+/* Chunks of about STEAL_BYTES of weights, in whole units. */
+static int64_t steal_chunk(int64_t unit_bytes, int64_t unit) {
+    const int64_t units = STEAL_BYTES / (unit_bytes * unit);
+    return (units > 1 ? units : 1) * unit;
+}
+
+static int run(const job_t *j, int64_t threads) {
+    const int64_t quad_bytes = (j->w.in / GROUP) * (j->w.format == FORMAT_Q8 ? Q8_RECORD : Q4_RECORD);
+    return run_parts(run_quads, j, quads(&j->w), SPLIT_QUADS, steal_chunk(quad_bytes, SPLIT_QUADS), threads);
 }
 
 /* q4 by int8 digits (q4_matmul_avx2 on any AVX2 CPU; q4_matmul_vnni where the CPU has AVX512_VNNI;
@@ -1269,20 +1324,9 @@ static int groups_amx(const job_t *j, int64_t g_begin, int64_t g_end) {
 }
 #pragma GCC pop_options
 
-typedef int (*groups_fn)(const job_t *, int64_t, int64_t);
-
-static int run_groups(groups_fn fn, const job_t *j, int64_t threads) {
+static int run_groups(range_fn fn, const job_t *j, int64_t threads) {
     const int64_t groups = (quads(&j->w) + DIGIT_QUADS - 1) / DIGIT_QUADS;
-    if (threads > groups) threads = groups;
-    if (threads <= 1) return fn(j, 0, groups);
-    int err = 0;
-#pragma omp parallel num_threads((int)threads) reduction(| : err)
-    {
-        int64_t begin, end;
-        part_range(omp_get_thread_num(), omp_get_num_threads(), 1, groups, &begin, &end);
-        if (begin < end) err |= fn(j, begin, end);
-    }
-    return err;
+    return run_parts(fn, j, groups, 1, steal_chunk((j->w.in / GROUP) * DIGIT_RECORD, 1), threads);
 }
 
 /* unit: DIGITS_AVX2, DIGITS_VNNI or DIGITS_TILES. */
