@@ -102,6 +102,32 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_split_between_threads_and_moved
     assert torch.equal(moved[0], one_thread[row])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_row_split_by_positions_and_dims_is_the_same_bits_as_by_heads(dtype, monkeypatch):
+    """One row on two threads (decode at one stream, from ROW_SPLIT_MIN = 128 positions) splits its positions
+    between the threads for the scores and its dims for V, where a batch splits (row, head) items: the same
+    bits as the row gets on one thread and inside a batch, at lengths around the switch and the blocks,
+    scattered blocks included."""
+    k = native_kernels()
+    lens = [127, 128, 129, 144, 200, 1030, 2049]
+    q, kv, tables, lens_t = _case(dtype, lens, seed=7)
+    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = _run(k, q, kv, tables, lens_t)
+        split = [_run(k, q[r:r + 1], kv, tables[r:r + 1], lens_t[r:r + 1])[0] for r in range(len(lens))]
+        torch.set_num_threads(1)
+        alone = [_run(k, q[r:r + 1], kv, tables[r:r + 1], lens_t[r:r + 1])[0] for r in range(len(lens))]
+    finally:
+        torch.set_num_threads(threads)
+    for r, n in enumerate(lens):
+        assert torch.equal(split[r], alone[r]), f"{n} positions: two threads differ from one"
+        assert torch.equal(split[r], batch[r]), f"{n} positions: alone differs from inside the batch"
+    torch.testing.assert_close(torch.stack(split).float(), _eager(q, kv, tables, lens_t),
+                               rtol=0 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("extra", [("-mno-avx2",), ()], ids=["plain-c", "portable-avx2"])
 def test_other_builds_compute_the_same_bits(tmp_path, extra):
     """The plain C loops, the AVX2 kernel (8 positions' scores side by side, V's sums in registers by half
@@ -120,7 +146,7 @@ def test_other_builds_compute_the_same_bits(tmp_path, extra):
             for n in (1, 2):
                 torch.set_num_threads(n)
                 assert torch.equal(_run(other, q, kv, tables, lens_t), _run(k, q, kv, tables, lens_t)), (dtype, n)
-            # one row: its 9 heads split 4 / 5 between two threads, a KV head's query heads on both
+            # one row of 1,030 positions on two threads: the positions split for the scores, the dims for V
             assert torch.equal(_run(other, q[-1:], kv, tables[-1:], lens_t[-1:]),
                                _run(k, q[-1:], kv, tables[-1:], lens_t[-1:])), dtype
     finally:
