@@ -6,10 +6,11 @@
  * SDPA: three passes over the context's bytes plus a mask. This reads each K and V row once, where it
  * lies, and accumulates in fp32.
  *
- * Invariant 4 (a row's result never depends on the other rows): a work item is one (row, KV head) pair
- * and reads nothing of other rows; every sum runs in a fixed order that depends only on the row's own
- * length (16 fixed lanes over head_dim, then a fixed tree; positions in order), never on addresses or
- * on how the items are split between threads. Built without -ffast-math for that reason: the compiler
+ * Invariant 4 (a row's result never depends on the other rows): a work item is one (row, query head) pair
+ * (one row alone on several threads: its positions for the scores, its dims for V) and reads nothing of
+ * other rows; every sum runs in a fixed order that depends only on the row's own length (16 fixed lanes
+ * over head_dim, then a fixed tree; positions in order), never on addresses or on how the work is split
+ * between threads. Built without -ffast-math for that reason: the compiler
  * may not reassociate a sum. exp is a polynomial in plain C so that it vectorizes without libmvec.
  *
  * Layouts (elements, not bytes):
