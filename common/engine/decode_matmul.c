@@ -64,11 +64,11 @@
 #define Q8_RECORD 128
 #define XQ_MAX 32767.0f
 #define SPLIT_QUADS 2  /* quads are split between threads in multiples of this */
-/* A matmul streams its weights once, each thread one contiguous range. The hardware prefetcher alone kept
- * a 1-row matmul at ~80 % of a plain read of the same bytes (66 MB of 1.1 MB weights, cold, 2 threads:
- * 1.35-1.39 against 1.06-1.16 ms); asking for the bytes this far ahead as each block is read brought it to
- * 1.24-1.27 ms (5,120 and 8,000 bytes ahead the best of 640-20,480). A prefetch past the end of the weights
- * is harmless: it never faults. */
+/* A matmul streams its weights once, each thread one contiguous range (then the others' tails: run_parts).
+ * The hardware prefetcher alone kept a 1-row matmul at ~80 % of a plain read of the same bytes (66 MB of
+ * 1.1 MB weights, cold, 2 threads: 1.35-1.39 against 1.06-1.16 ms); asking for the bytes this far ahead as
+ * each block is read brought it to 1.24-1.27 ms (5,120 and 8,000 bytes ahead the best of 640-20,480). A
+ * prefetch past the end of the weights is harmless: it never faults. */
 #define PREFETCH_AHEAD 6144
 #define PREFETCH(rec) __builtin_prefetch((const char *)(rec) + PREFETCH_AHEAD, 0, 3)
 
