@@ -372,13 +372,18 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
             const T *next = p0 + block < len ? kv + blocks[p0 / block + 1] * block * slot_stride : NULL;  \
             SCORES(qf, slots, next, n, slot_stride, hq0, hq1, group, dim, scores + p0, len, top);       \
         }                                                                                              \
-        for (int64_t hq = hq0; hq < hq1; hq++) { /* softmax weights, positions in order */             \
-            float *sg = scores + hq * len, total = 0.0f;                                               \
+        for (int64_t hq = hq0; hq < hq1; hq++) { /* softmax weights */                                 \
+            float *sg = scores + hq * len;                                                             \
             const float t = top[hq];                                                                   \
             for (int64_t p = 0; p < len; p++) sg[p] = exp_nonpositive(sg[p] - t);                      \
-            for (int64_t p = 0; p < len; p++) total += sg[p];                                          \
-            inv[hq] = total > 0.0f ? 1.0f / total : 0.0f;                                              \
         }                                                                                              \
+        /* each head's total, positions in order; the heads side by side, so that their chains of      \
+         * dependent additions overlap (one after the other, 4 positions' cycles each) */              \
+        float total[MAX_HEADS];                                                                        \
+        for (int64_t hq = hq0; hq < hq1; hq++) total[hq] = 0.0f;                                       \
+        for (int64_t p = 0; p < len; p++)                                                              \
+            for (int64_t hq = hq0; hq < hq1; hq++) total[hq] += scores[hq * len + p];                  \
+        for (int64_t hq = hq0; hq < hq1; hq++) inv[hq] = total[hq] > 0.0f ? 1.0f / total[hq] : 0.0f;   \
         if (!WEIGHTED_V(kv, blocks, block, slot_stride, kv_heads, len, hq0, hq1, group, dim, scores, acc)) \
             goto normalize;                                                                            \
         memset(acc + hq0 * dim, 0, sizeof(float) * (size_t)((hq1 - hq0) * dim));                      \
