@@ -412,7 +412,6 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
     return 0;                                                                                          \
 }
 
-
 /* One row on `threads` threads (decode at one stream), with the bits attention_items gives it alone. A
  * position's score and its exp depend on no other position, so the threads split the positions, by blocks:
  * each reads the K of every KV head of its positions (whole lines, none read twice; split by query heads,
