@@ -128,6 +128,29 @@ def test_one_row_split_by_positions_and_dims_is_the_same_bits_as_by_heads(dtype,
                                rtol=0 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_batch_of_mixed_contexts_handed_out_by_cost_is_the_same_bits(dtype, monkeypatch):
+    """A batch's work goes to the threads one unit at a time, the dearest first: a whole row, or one KV
+    head's query heads of a row longer than half a thread's share of the positions (here the 2,000- and
+    1,500-position rows are split, the others not). Every row gets the bits it gets alone on one thread,
+    whoever took its units, on 2 and on 3 threads."""
+    k = native_kernels()
+    lens = [5, 2000, 17, 300, 1500, 1, 64, 129]
+    q, kv, tables, lens_t = _case(dtype, lens, seed=9)
+    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [_run(k, q[r:r + 1], kv, tables[r:r + 1], lens_t[r:r + 1])[0] for r in range(len(lens))]
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            batch = _run(k, q, kv, tables, lens_t)
+            for r, want in enumerate(alone):
+                assert torch.equal(batch[r], want), f"row {r} ({lens[r]} positions) on {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("extra", [("-mno-avx2",), ()], ids=["plain-c", "portable-avx2"])
 def test_other_builds_compute_the_same_bits(tmp_path, extra):
     """The plain C loops, the AVX2 kernel (8 positions' scores side by side, V's sums in registers by half

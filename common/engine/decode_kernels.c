@@ -21,6 +21,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -342,18 +343,8 @@ DEFINE_WEIGHTED_V(weighted_v_f32, float, VEC_LOAD_F32)
 static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
                 int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
                 int64_t kv_heads, int64_t dim, float scale, T *restrict out, int64_t item_begin,       \
-                int64_t item_end) {                                                                    \
+                int64_t item_end, float *restrict scores, float *restrict qf) {                        \
     const int64_t group = heads / kv_heads, slot_stride = 2 * kv_heads * dim;                          \
-    int64_t longest = 0;                                                                               \
-    for (int64_t it = item_begin; it < item_end; it++)                                                 \
-        if (lens[it / heads] > longest) longest = lens[it / heads];                                    \
-    float *restrict scores = malloc(sizeof(float) * (size_t)(heads * (longest ? longest : 1)));        \
-    float *restrict qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                            \
-    if (!scores || !qf) {                                                                              \
-        free(scores);                                                                                  \
-        free(qf);                                                                                      \
-        return -2;                                                                                     \
-    }                                                                                                  \
     float *restrict acc = qf + heads * dim, top[MAX_HEADS], inv[MAX_HEADS];                            \
     for (int64_t it = item_begin; it < item_end;) {                                                    \
         const int64_t row = it / heads, hq0 = it % heads; /* query heads hq0 .. hq1 - 1 of the row */  \
@@ -407,8 +398,6 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
             for (int64_t d = 0; d < dim; d++) o[d] = STORE(acc[hq * dim + d] * inv[hq]);               \
         }                                                                                              \
     }                                                                                                  \
-    free(scores);                                                                                      \
-    free(qf);                                                                                          \
     return 0;                                                                                          \
 }
 
@@ -520,19 +509,59 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP || heads > MAX_HEADS || dim % LANES || dim > 256 \
         || block <= 0)                                                                                 \
         return -1;                                                                                     \
-    const int64_t items = rows * heads;                                                                \
+    const int64_t items = rows * heads, group = heads / kv_heads;                                      \
     if (threads > items) threads = items;                                                              \
-    if (threads <= 1)                                                                                  \
-        return ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, out, 0, items); \
-    if (ROW_SPLIT && rows == 1 && lens[0] >= ROW_SPLIT_MIN && dim % V_SPLIT_DIMS == 0)                 \
+    if (ROW_SPLIT && threads > 1 && rows == 1 && lens[0] >= ROW_SPLIT_MIN && dim % V_SPLIT_DIMS == 0)  \
         return ROW(q, kv, table, lens[0], block, heads, kv_heads, dim, scale, out, threads);           \
+    int64_t longest = 1;                                                                               \
+    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;                \
+    if (threads <= 1) {                                                                                \
+        float *scores = malloc(sizeof(float) * (size_t)(heads * longest));                             \
+        float *qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                                 \
+        const int err = scores && qf ? ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, \
+                                             dim, scale, out, 0, items, scores, qf) : -2;              \
+        free(scores);                                                                                  \
+        free(qf);                                                                                      \
+        return err;                                                                                    \
+    }                                                                                                  \
+    /* Units handed out one at a time, the dearest first: a batch mixes contexts, and split by item ranges \
+     * a thread holding a long row did all of it while the other idled. A unit is a whole row (its query   \
+     * heads share each K and V line), or one KV head's query heads of a row longer than half a thread's   \
+     * share of all the positions. A unit's bits do not depend on which thread takes it, or when. */      \
+    int64_t total = 0;                                                                                 \
+    for (int64_t r = 0; r < rows; r++) total += lens[r];                                               \
+    int64_t *unit = malloc(sizeof(int64_t) * (size_t)(2 * rows * kv_heads)), n_units = 0;             \
+    if (!unit) return -2;                                                                              \
+    for (int64_t r = 0; r < rows; r++) { /* unit u: its first item, its item count; by cost, an insertion sort */ \
+        const int64_t split = 2 * threads * lens[r] > total, count = split ? kv_heads : 1;             \
+        for (int64_t k = 0; k < count; k++) {                                                          \
+            const int64_t first = r * heads + k * (split ? group : 0), n = split ? group : heads;      \
+            int64_t i = n_units++;                                                                     \
+            for (; i > 0 && lens[unit[2 * (i - 1)] / heads] * unit[2 * (i - 1) + 1] < lens[r] * n; i--) { \
+                unit[2 * i] = unit[2 * (i - 1)];                                                       \
+                unit[2 * i + 1] = unit[2 * (i - 1) + 1];                                               \
+            }                                                                                          \
+            unit[2 * i] = first;                                                                       \
+            unit[2 * i + 1] = n;                                                                       \
+        }                                                                                              \
+    }                                                                                                  \
+    _Atomic int64_t next = 0;                                                                          \
     int err = 0;                                                                                       \
     _Pragma("omp parallel num_threads((int)threads) reduction(| : err)")                               \
     {                                                                                                  \
-        const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();                      \
-        err |= ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, out, \
-                     items * part / parts, items * (part + 1) / parts);                                \
+        float *scores = malloc(sizeof(float) * (size_t)(heads * longest));                             \
+        float *qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                                 \
+        if (!scores || !qf) err = -2;                                                                  \
+        while (!err) {                                                                                 \
+            const int64_t u = atomic_fetch_add(&next, 1);                                              \
+            if (u >= n_units) break;                                                                   \
+            err |= ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, out, \
+                         unit[2 * u], unit[2 * u] + unit[2 * u + 1], scores, qf);                      \
+        }                                                                                              \
+        free(scores);                                                                                  \
+        free(qf);                                                                                      \
     }                                                                                                  \
+    free(unit);                                                                                        \
     return err;                                                                                        \
 }
 
