@@ -347,7 +347,8 @@ class CachedLayersDecode(RunnerDecode):
     """The bare runner with every layer reading layer 0's packed int4 weights (a few MB, so they stay in the
     CPU's caches): a step's instructions without its layers' tens of MB from memory. Its tokens mean
     nothing; its step time set against the runner's says how much of a step the memory costs. Where the
-    two are level, the step is bound by the kernels' arithmetic, not by the memory."""
+    two are level, the memory is not what holds the step alone (on the AVX2 host the arithmetic is as
+    tight: with a third of it gone the step was no faster from memory, docs/benchmarks.md)."""
 
     name = "runner_cached_layers"
 

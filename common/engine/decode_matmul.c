@@ -1029,8 +1029,9 @@ static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t r
  * halves (outputs 0-7, 8-15) share each broadcast of a row's digits: with the halves one after the other
  * over the blocks (fewer registers live), a 32-row matmul in cache took 1.27x as long (AMD VM, AVX2 build), a
  * one-row one 1.12x (Zen 3, AVX2 only); the halves one after the other within each block, the broadcasts read
- * again for the second so that nothing spills, 1.3x there. One row is bound by these instructions, not by
- * the memory, on that host: the weights in cache went no faster (docs/benchmarks.md). */
+ * again for the second so that nothing spills, 1.3x there. On that host one row is held by these
+ * instructions and the memory alike: the weights in cache went 7-21 % faster, and with half the byte
+ * products (8-bit activations, not kept) the step from memory went no faster (docs/benchmarks.md). */
 static inline void digit_store_avx2(const job_t *j, int64_t row, int64_t o, __m256 acc, __m256 accm) {
     const __m256 v = _mm256_add_ps(acc, accm);
     const int64_t real = j->w.out - o;
