@@ -185,9 +185,12 @@ static void quantize_row(const void *x, int x_bf16, int64_t in, float limit, int
 
 static inline int64_t quads(const weight_t *w) { return (w->out + QUAD - 1) / QUAD; }
 
+/* Bytes of one block of a quad, and of a quad's every block. */
+static inline int64_t record_size(const weight_t *w) { return w->format == FORMAT_Q8 ? Q8_RECORD : Q4_RECORD; }
+static inline int64_t quad_bytes(const weight_t *w) { return (w->in / GROUP) * record_size(w); }
+
 static inline const uint8_t *record(const weight_t *w, int64_t quad, int64_t b) {
-    const int64_t size = w->format == FORMAT_Q8 ? Q8_RECORD : Q4_RECORD;
-    return w->packed + (quad * (w->in / GROUP) + b) * size;
+    return w->packed + (quad * (w->in / GROUP) + b) * record_size(w);
 }
 
 /* Output o of row `row`, in y's dtype. */
@@ -921,8 +924,7 @@ static int64_t steal_chunk(int64_t unit_bytes, int64_t unit) {
 }
 
 static int run(const job_t *j, int64_t threads) {
-    const int64_t quad_bytes = (j->w.in / GROUP) * (j->w.format == FORMAT_Q8 ? Q8_RECORD : Q4_RECORD);
-    return run_parts(run_quads, j, quads(&j->w), SPLIT_QUADS, steal_chunk(quad_bytes, SPLIT_QUADS), threads);
+    return run_parts(run_quads, j, quads(&j->w), SPLIT_QUADS, steal_chunk(quad_bytes(&j->w), SPLIT_QUADS), threads);
 }
 
 /* q4 by int8 digits (q4_matmul_avx2 on any AVX2 CPU; q4_matmul_vnni where the CPU has AVX512_VNNI;
