@@ -20,7 +20,7 @@ from common.grpc_util import ServiceError
 from common.engine.kv_cache import KVCache
 from common.kv_wire import ModelFingerprint
 from common.engine.model import Llama
-from common.engine.models import resolve_model_path
+from common.engine.model_files import resolve_model_path
 from common.redis_server import connect
 from common.engine.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig

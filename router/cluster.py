@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from common import cli
 from common.engine.model import Llama
-from common.engine.models import DEFAULT_MODEL, resolve_model_path
+from common.engine.model_files import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
 from common.engine.hardware import auto_dtype
 from common.engine.runner import DTYPE_NAMES, parse_dtype

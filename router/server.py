@@ -17,7 +17,7 @@ import threading
 import uuid
 
 from common import grpc_aio, grpc_util, security
-from common.engine.models import resolve_model_path
+from common.engine.model_files import resolve_model_path
 from common.state import StateStore, StateUnavailable
 from common.engine.tokenizer import load_tokenizer
 from common.engine.weights import read_model_config, weights_id_of

@@ -131,7 +131,7 @@ def other_build(tmp_path: Path, march: str, extra: tuple[str, ...] = ()):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from common.engine.models import resolve_model_path
+    from common.engine.model_files import resolve_model_path
     return resolve_model_path("smollm2")
 
 

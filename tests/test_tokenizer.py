@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from common.engine.models import resolve_model_path
+from common.engine.model_files import resolve_model_path
 from common.engine.tokenizer import (ByteBPETokenizer, SentencePieceTokenizer, StreamDecoder, TokenizerError,
                               load_tokenizer)
 

@@ -13,7 +13,7 @@ import torch
 
 from common.engine.kv_cache import KVCache
 from common.engine.model import Llama
-from common.engine.models import ModelNotFoundError
+from common.engine.model_files import ModelNotFoundError
 from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from common.engine.weights import ModelLoadError, load_weights, read_model_config, weights_id_of
 from tests.conftest import TINY_LLAMA, llama_cpp_permute, save_hf_folder, tiny_hf_llama, write_json, write_llama_gguf
@@ -252,19 +252,22 @@ def test_hf_folder_missing_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("rope_type", ["linear", "llama3", "yarn"])
-def test_hf_folder_rope_scaling_rejected(tmp_path, rope_type):
-    """transformers 5 writes rope settings as `rope_parameters`; a scaled rotary must be refused
-    (the model runs plain RoPE), not silently ignored."""
-    model = tiny_hf_llama(seed=7)
+def test_hf_folder_rope_scaling_matches_hf(tmp_path, rope_type):
+    """A scaled rotary (transformers 5's `rope_parameters`) is read and applied: logits equal HF's, and
+    differ from the same weights' logits with plain RoPE (so a scaling read and ignored would fail)."""
+    rope = {"rope_theta": 500000.0, "rope_type": rope_type, "factor": 8.0, "original_max_position_embeddings": 64,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    model = tiny_hf_llama(seed=7, rope_parameters=rope)
     folder = save_hf_folder(model, tmp_path / "hf")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": rope_type, "factor": 8.0,
-                              "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0}
-    write_json(folder / "config.json", cfg)
-    with pytest.raises(ModelLoadError, match="not supported") as err:
-        load_weights(folder, progress=False)
-    assert str(folder / "config.json") in str(err.value)
+    weights = load_weights(folder, progress=False)
+    assert weights.config.rope_scaling is not None and weights.config.rope_scaling.kind == rope_type
+    ids = np.random.default_rng(8).integers(0, 128, 40).tolist()
+    ours = _our_logits(weights, [ids], 1)[0]
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0, -2:]
+    assert (ours[0] - ref[0]).abs().max().item() <= 1e-4
+    plain = _our_logits(replace(weights, config=replace(weights.config, rope_scaling=None)), [ids], 1)[0]
+    assert (plain[0] - ref[0]).abs().max().item() > 1e-3
 
 
 def test_the_gguf_reader_reads_what_gguf_s_own_reader_does(smollm2_path):
@@ -283,11 +286,11 @@ def test_the_gguf_reader_reads_what_gguf_s_own_reader_does(smollm2_path):
 
 
 def test_blocks_dequantize_to_gguf_s_bits(smollm2_path):
-    """weights._dequantize_blocks (whole tensors in torch) against the gguf package's dequantize: every
+    """gguf_weights.dequantize_blocks (whole tensors in torch) against the gguf package's dequantize: every
     quantized tensor of the real file (Q4_1, the Q8_0 embedding), and Q4_0 / Q4_1 / Q8_0 blocks the
     package quantizes from random values, including blocks of one value (d = 0)."""
     from common.engine.gguf_file import GGUFFile
-    from common.engine.weights import _dequantize_blocks
+    from common.engine.gguf_weights import dequantize_blocks as _dequantize_blocks
 
     def same_bits(raw, qtype):
         ours = _dequantize_blocks(raw, qtype.name)

@@ -43,14 +43,21 @@ class AttnContext:
     block_size: int = 0
 
 
-def rope_tables(config: ModelConfig, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] in HF's rotate_half layout, computed in fp32."""
+def rope_tables(config: ModelConfig, max_positions: int, device, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in HF's rotate_half layout, computed in fp32: of the
+    full-attention layers, or (local) of the sliding-window layers where they have their own base."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    theta = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scale = 1.0
+    scaling = None if local else config.rope_scaling
+    if scaling is not None:
+        inv_freq = torch.tensor(scaling.inv_freq(inv_freq.tolist(), d, theta), dtype=torch.float32)
+        scale = scaling.cos_sin_scale()
     t = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
 
 
 # Invariant 4 (a request's tokens never depend on what else is in its batch) needs every op of a decode

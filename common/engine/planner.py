@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     if not math.isfinite(args.memory_gib):
         p.error(f"--memory-gib must be a finite number, got {args.memory_gib}")
     if args.model:
-        from common.engine.models import ModelNotFoundError
+        from common.engine.model_files import ModelNotFoundError
         from common.engine.weights import ModelLoadError, read_model_config
         try:
             cfg = read_model_config(args.model)
