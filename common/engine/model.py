@@ -83,6 +83,14 @@ def dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.linear(block, weight) for block in x.split(DENSE_ROW_BLOCK)])[:n]
 
 
+def native_covers(c: ModelConfig) -> bool:
+    """Whether the native decode ops (common/engine/native) compute this model's layer: a plain Llama
+    layer, any rotary tables. Other families decode through the torch ops."""
+    arch = c.arch
+    return not (c.qkv_bias or arch.qk_norm or arch.post_norms or arch.mlp_act != "silu" or c.has_windows
+                or c.attn_softcap is not None)
+
+
 class Int8Linear:
     """A weight as int8 codes with one scale per output row: the decode LM head, half a 16-bit head's bytes.
 
@@ -206,7 +214,7 @@ class Llama(torch.nn.Module):
         # else decode runs torch ops.
         kernels = native.kernel() if self.device.type == "cpu" else None
         self.kernels = kernels if kernels is not None and kernels.supports(
-            dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) else None
+            dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) and native_covers(c) else None
 
         mode = {True: "int", False: "torch"}.get(native_matmuls, native_matmuls)
         if mode is None:
@@ -266,11 +274,18 @@ class Llama(torch.nn.Module):
         del head_fp32
         release_freed_pages()
         self.final_norm = w32("model.norm.weight")
+        arch = c.arch
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(dict(
                 attn_norm=w32(p + "input_layernorm.weight"),
+                bqkv=torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                w(p + "self_attn.v_proj.bias")]) if c.qkv_bias else None,
+                q_norm=w32(p + "self_attn.q_norm.weight") if arch.qk_norm else None,
+                k_norm=w32(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
+                attn_post_norm=w32(p + "post_attention_norm.weight") if arch.post_norms else None,
+                mlp_post_norm=w32(p + "post_feedforward_layernorm.weight") if arch.post_norms else None,
                 wqkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
                                 w(p + "self_attn.v_proj.weight")]),  # [(H + 2 Hkv) * D, dim]
                 wo=w(p + "self_attn.o_proj.weight"),
@@ -286,6 +301,13 @@ class Llama(torch.nn.Module):
             release_freed_pages()  # the layer's temporary fp32 copies: peak memory stays near the model's
         cos, sin = rope_tables(c, c.max_position, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        # Sliding-window layers with a rotary base of their own (Gemma 3) read their own tables.
+        self.cos_local, self.sin_local = self.cos, self.sin
+        if c.rope_local_theta is not None and c.has_windows:
+            cos, sin = rope_tables(c, c.max_position, device, local=True)
+            self.cos_local, self.sin_local = cos.to(dtype), sin.to(dtype)
+        # Gemma: embeddings times sqrt(hidden), HF's normalizer in fp32 (the residual stream's dtype here).
+        self.embed_scale = float(torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32)) if arch.embed_scaled else None
         # The whole int4 layer stack in one native call (decode_layers.c), where every layer has its packed
         # weights: 6 pointers a layer, into tensors the layers hold.
         self.native_layers = None
@@ -333,7 +355,7 @@ class Llama(torch.nn.Module):
     def _rms_norm(self, x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
         # x is the fp32 residual stream: it carries outliers (~2.5e4 in SmolLM2) next to which a
         # bf16 stream and norm lose the small channels, enough to change greedy tokens.
-        return F.rms_norm(x, (x.shape[-1],), weight_fp32, self.config.rms_norm_eps).to(self.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), weight_fp32, self.config.rms_norm_eps).to(self.dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [N, heads, D]; cos/sin: [N, 1, D] (HF's rotate_half convention)
@@ -352,6 +374,8 @@ class Llama(torch.nn.Module):
         native_ops = self.kernels if ctx.block_tables is not None else None
         # The residual stream stays fp32 (adds promote for free); only matmul inputs are 16-bit.
         h = self.embed.index_select(0, input_ids).float()  # [N, dim]
+        if self.embed_scale is not None:
+            h.mul_(self.embed_scale)
         if native_ops is not None and ctx.use_int4 and self.native_layers is not None:
             # The same layers in one native call (the per-op path below, on the same kernels, bit for bit).
             native_ops.decode_layers(h, self.native_layers, kv, self.cos, self.sin, positions, ctx.slot_mapping,
@@ -359,41 +383,52 @@ class Llama(torch.nn.Module):
                                      c.head_dim, c.intermediate_size, c.rms_norm_eps, self.matmuls)
             # The final norm natively too (torch's right after the native call took ~100 us a step).
             return native_ops.add_rms_norm(h, None, self.final_norm, c.rms_norm_eps, torch.float32)
-        if native_ops is None:
-            cos = self.cos.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
-            sin = self.sin.index_select(0, positions).unsqueeze(1)
         delta = None  # the last sublayer's output, not yet added to h
         for i, layer in enumerate(self.layers):
             layer_kv = kv[i]  # [slots, 2, Hkv, D]
+            window = c.window(i)
             x = self._add_norm(h, delta, layer["attn_norm"], native_ops)
             qkv = self._linear(x, layer, "wqkv", ctx)  # [N, (H + 2 Hkv) * D]
+            if layer["bqkv"] is not None:
+                qkv.add_(layer["bqkv"])
+            if layer["q_norm"] is not None:
+                qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+                qk[:, :c.num_heads] = self._rms_norm(qk[:, :c.num_heads], layer["q_norm"])
+                qk[:, c.num_heads:] = self._rms_norm(qk[:, c.num_heads:], layer["k_norm"])
             q = qkv[:, :self.q_size].view(n, c.num_heads, c.head_dim)
             if native_ops is not None:
                 native_ops.rope_kv_write(qkv, self.cos, self.sin, positions, c.num_heads, c.num_kv_heads,
                                          c.head_dim, layer_kv, ctx.slot_mapping)
                 o = native_ops.attention(q, layer_kv, ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size,
-                                         c.head_dim ** -0.5)
+                                         c.scale)
             else:
+                cos_table, sin_table = (self.cos_local, self.sin_local) if window else (self.cos, self.sin)
+                cos = cos_table.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
+                sin = sin_table.index_select(0, positions).unsqueeze(1)
                 # Rotate q and k together, in place, so K and V sit side by side for one cache write.
                 qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
                 qk.copy_(self._rotate(qk, cos, sin))
                 new_kv = qkv[:, self.q_size:].view(n, 2, c.num_kv_heads, c.head_dim)
                 layer_kv.index_copy_(0, ctx.slot_mapping, new_kv)
                 if ctx.prefill_lens is not None and ctx.prefill_start:
-                    o = self._chunk_attention(q, layer_kv, ctx)
+                    o = self._chunk_attention(q, layer_kv, ctx, positions, window)
                 elif ctx.prefill_lens is not None:
-                    o = self._prefill_attention(q, new_kv[:, 0], new_kv[:, 1], ctx.prefill_lens)
+                    o = self._prefill_attention(q, new_kv[:, 0], new_kv[:, 1], ctx.prefill_lens, window)
                 else:
-                    o = self._decode_attention(q, layer_kv, ctx)
-            x = self._add_norm(h, self._linear(o.reshape(n, self.q_size), layer, "wo", ctx), layer["mlp_norm"],
-                               native_ops)
+                    o = self._decode_attention(q, layer_kv, ctx, positions, window)
+            o = self._linear(o.reshape(n, self.q_size), layer, "wo", ctx)
+            if layer["attn_post_norm"] is not None:
+                o = self._rms_norm(o.float(), layer["attn_post_norm"])
+            x = self._add_norm(h, o, layer["mlp_norm"], native_ops)
             gate_up = self._linear(x, layer, "w13", ctx)
             if native_ops is not None:
                 act = native_ops.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
+                act = (F.gelu(gate, approximate="tanh") if c.arch.mlp_act == "gelu_tanh" else F.silu(gate)) * up
             delta = self._linear(act, layer, "w2", ctx)
+            if layer["mlp_post_norm"] is not None:
+                delta = self._rms_norm(delta.float(), layer["mlp_post_norm"])
         h.add_(delta)
         # Kept in fp32: logits() refines the top candidates in full precision.
         if native_ops is not None:  # as the one-call path ends
@@ -409,31 +444,75 @@ class Llama(torch.nn.Module):
             h.add_(delta)
         return self._rms_norm(h, weight_fp32)
 
-    def _prefill_attention(self, q, k, v, lens: list[int]) -> torch.Tensor:
+    def _scores_attention(self, q, k, v, mask) -> torch.Tensor:
+        """softmax(softcap(q k^T * scale), masked) v for q [1, H, T, D] and k, v [1, Hkv, S, D], in fp32: the
+        soft-capped attention SDPA does not do (Gemma 2). One sequence a call: its shapes, and so its bits,
+        depend on that sequence alone."""
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        k = k.repeat_interleave(group, dim=1).float()  # [1, H, S, D]
+        v = v.repeat_interleave(group, dim=1).float()
+        scores = torch.matmul(q.float(), k.transpose(-1, -2)) * c.scale  # [1, H, T, S]
+        cap = c.attn_softcap
+        scores = torch.tanh(scores / cap) * cap
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.matmul(p, v).to(q.dtype)  # [1, H, T, D]
+
+    def _attend(self, q, k, v, mask) -> torch.Tensor:
+        """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D]; mask [B or 1, 1, T, S] bool (True = attend)."""
+        if self.config.attn_softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.config.scale)
+        if q.shape[0] == 1:
+            return self._scores_attention(q, k, v, mask)
+        # Decode rows one by one, each over its own positions only (not the batch's padded span).
+        outs = []
+        for b in range(q.shape[0]):
+            length = int(mask[b].reshape(-1, mask.shape[-1]).any(0).nonzero().max()) + 1
+            outs.append(self._scores_attention(q[b:b + 1], k[b:b + 1, :, :length], v[b:b + 1, :, :length],
+                                               mask[b:b + 1, ..., :length]))
+        return torch.cat(outs)
+
+    @staticmethod
+    def _window_mask(q_positions: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+        """[T, S] bool: key position s within the window of query position q (q - window < s)."""
+        keys = torch.arange(num_keys, device=q_positions.device)
+        return keys[None, :] > q_positions[:, None] - window
+
+    def _prefill_attention(self, q, k, v, lens: list[int], window: int = 0) -> torch.Tensor:
         # Each prompt attends causally to itself only; a prompt's own K/V is at hand.
+        c = self.config
         outs, start = [], 0
         for length in lens:
             end = start + length
             qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             ks = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
             vs = v[start:end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            if window or c.attn_softcap is not None:
+                pos = torch.arange(length, device=q.device)
+                mask = pos[None, :] <= pos[:, None]
+                if window:
+                    mask &= self._window_mask(pos, length, window)
+                o = self._attend(qs, ks, vs, mask[None, None])
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=c.scale)
             outs.append(o[0].transpose(0, 1))  # [T, H, D]
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _chunk_attention(self, q, layer_kv, ctx: AttnContext) -> torch.Tensor:
+    def _chunk_attention(self, q, layer_kv, ctx: AttnContext, positions: torch.Tensor, window: int = 0) -> torch.Tensor:
         # A chunk after the first: its queries see the sequence's whole K/V so far (cached prefix,
         # earlier chunks, itself), causally. The same computation whether the prefix was cached or
         # computed a moment ago, so outputs do not depend on cache hits.
         ctx_kv = layer_kv.index_select(0, ctx.context_slots)  # [end, 2, Hkv, D]
         k = ctx_kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, end, D]
         v = ctx_kv[:, 1].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=ctx.attn_mask,
-                                           enable_gqa=True)  # [1, H, T, D]
+        mask = ctx.attn_mask
+        if window:
+            mask = mask & self._window_mask(positions, mask.shape[-1], window)
+        o = self._attend(q.transpose(0, 1).unsqueeze(0), k, v, mask[None, None] if mask.dim() == 2 else mask)
         return o[0].transpose(0, 1)  # [T, H, D]
 
-    def _decode_attention(self, q, layer_kv, ctx: AttnContext) -> torch.Tensor:
+    def _decode_attention(self, q, layer_kv, ctx: AttnContext, positions: torch.Tensor, window: int = 0) -> torch.Tensor:
         c = self.config
         bsz = q.shape[0]
         # One gather of every sequence's context, K and V together: [B, S, 2, Hkv, D].
@@ -443,8 +522,10 @@ class Llama(torch.nn.Module):
         # a long context's step. A 16-bit cache is widened here, a copy the size of the gather.
         kb = ctx_kv[:, :, 0].transpose(1, 2).float()  # [B, Hkv, S, D]
         vb = ctx_kv[:, :, 1].transpose(1, 2).float()
-        o = F.scaled_dot_product_attention(q.unsqueeze(2).float(), kb, vb, attn_mask=ctx.attn_mask,
-                                           enable_gqa=True)
+        mask = ctx.attn_mask  # [B, 1, 1, S]
+        if window:
+            mask = mask & self._window_mask(positions, mask.shape[-1], window)[:, None, None, :]
+        o = self._attend(q.unsqueeze(2).float(), kb, vb, mask)
         return o.squeeze(2).to(q.dtype)  # [B, H, D]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -456,8 +537,8 @@ class Llama(torch.nn.Module):
         """
         logits = F.linear(hidden.to(self.dtype), self.lm_head).float()
         if self.lm_head_fp32 is None:
-            return logits
-        return self._refine(logits, hidden)
+            return self._softcap(logits)
+        return self._softcap(self._refine(logits, hidden))
 
     def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Decode: fp32 hidden states [B, dim] → fp32 logits [B, V], each row independent of the others.
@@ -468,9 +549,17 @@ class Llama(torch.nn.Module):
         """
         logits = self.lm_head_int8(hidden).float()
         if self.kernels is not None and self.config.hidden_size % 8 == 0:  # decode_logits.c: the same, row by row
-            return self.kernels.refine_top(logits.contiguous(), hidden.float().contiguous(), self.lm_head_exact,
-                                           self.REFINE_TOP)
-        return self._refine(logits, hidden)
+            return self._softcap(self.kernels.refine_top(logits.contiguous(), hidden.float().contiguous(),
+                                                         self.lm_head_exact, self.REFINE_TOP))
+        return self._softcap(self._refine(logits, hidden))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-cap, tanh(logits / cap) * cap, in place as HF computes it (it keeps the order
+        of the logits, so the refined best stay the best)."""
+        cap = self.config.final_softcap
+        if cap is None:
+            return logits
+        return logits.div_(cap).tanh_().mul_(cap)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 hidden states [R, dim] → the exact fp32 log-softmax of the logits over the whole vocabulary [R, V].
@@ -481,7 +570,7 @@ class Llama(torch.nn.Module):
         get the full fp32 product, one row at a time (~9 ms a row on one core here; a padded block of 8
         rows costs 4-6x that), which also keeps a row's values independent of the others.
         """
-        return torch.cat([F.log_softmax(F.linear(row, self.lm_head_exact), dim=-1)
+        return torch.cat([F.log_softmax(self._softcap(F.linear(row, self.lm_head_exact)), dim=-1)
                           for row in hidden.float().split(1)])
 
     def _refine(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
