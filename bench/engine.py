@@ -1,9 +1,9 @@
-"""python -m common.bench.engine: the engine alone against HF transformers and llama.cpp, same weights, same run.
+"""python -m bench.engine: the engine alone against HF transformers and llama.cpp, same weights, same run.
 
-    python -m common.bench.engine                         # every figure, bf16 (a few minutes)
-    python -m common.bench.engine --quick                 # CI smoke: small sizes, under 2 minutes
-    python -m common.bench.engine --only prefill decode --dtype fp32
-    python -m common.bench.engine --profile               # top ops of one decode step at batch 1 and 32 (stderr)
+    python -m bench.engine                    # every figure, bf16 (a few minutes)
+    python -m bench.engine --quick            # CI smoke: small sizes, under 2 minutes
+    python -m bench.engine --only prefill decode --dtype fp32
+    python -m bench.engine --profile          # top ops of one decode step at batch 1 and 32 (stderr)
 
 Prints one JSON object per figure on stdout: {"name", "value", "unit"}, plus "peer", "peer_value" and
 "ratio" (= value / peer_value) where the peer ran in the same process; "target" and "met" where the
@@ -15,7 +15,7 @@ The peer is HF transformers on the same GGUF file with its weights unpacked to d
 dtype (`GgufConfig(dequantize=True)`, asked for explicitly so that the peer stays dense whichever GGUF
 kernels a newer transformers finds installed; here its default load gave the same plain nn.Linear layers).
 
-The second peer is llama.cpp (llama-cpp-python, `common/bench/llamacpp.py`) on the same file with its
+The second peer is llama.cpp (llama-cpp-python, `bench/llamacpp.py`) on the same file with its
 own packed-weight kernels, fed the same token ids, with the same thread count: prefill at 128 and 512
 tokens and decode at one stream (at 107 and 1,024 tokens) take turns with ours in the same sections. It
 is optional (`make bench-peers`); without it one line {"name": "llama_cpp_peer", "skipped", "how",
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.bench import llamacpp
+from bench import llamacpp
 
 if TYPE_CHECKING:
-    from common.bench.bandwidth import ReadBandwidth
+    from bench.bandwidth import ReadBandwidth
     from common.bench.llamacpp import LlamaCpp
 
 MODEL = "smollm2"
@@ -52,7 +52,7 @@ PEER = "hf-transformers"
 LLAMA_CPP_PREFILL_LENS = (128, 512)  # the prompt lengths llama.cpp prefills (the issue's; 2,048 is HF's alone)
 
 
-# ----------------------------------------------------------------------------- output, shared with router.bench
+# ----------------------------------------------------------------------------- output, shared with bench.token_path
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -527,7 +527,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
                  long_context: int | None = None) -> None:
     """Per batch size: the engine, the bare runner and HF (and llama.cpp at batch 1) step in turn, one step
     each, `steps` times. With `long_context`, one stream again after a prompt of that many tokens."""
-    from common.bench.bandwidth import decode_bound_tok_s
+    from bench.bandwidth import decode_bound_tok_s
     from common.engine.planner import kv_bytes_per_token
 
     _, prompt_ids = chat_prompt(ours.tokenizer, CHAT_PROMPT_LEN)
@@ -685,8 +685,8 @@ def bench_memory(probes: dict[str, subprocess.Popen]) -> None:
 
 def start_memory_probes(dtype: str, threads: int) -> dict[str, subprocess.Popen]:
     """One fresh process per system, so each high-water mark is its own; they run while we load."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    return {who: subprocess.Popen([sys.executable, "-m", "common.bench.engine", "--memory-probe", who, "--dtype", dtype,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+    return {who: subprocess.Popen([sys.executable, "-m", "bench.engine", "--memory-probe", who, "--dtype", dtype,
                                    "--threads", str(threads)], stdout=subprocess.PIPE, text=True, cwd=root)
             for who in ("ours", "hf")}
 
@@ -761,7 +761,7 @@ def load_llama_cpp(figures: list[str], threads: int, n_ctx: int) -> LlamaCpp | N
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> None:
-    p = base_parser("python -m common.bench.engine", __doc__, SECTIONS)
+    p = base_parser("python -m bench.engine", __doc__, SECTIONS)
     p.add_argument("--profile", action="store_true", help="profile one decode step at batch 1 and 32 (stderr)")
     p.add_argument("--memory-probe", choices=("ours", "hf"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -807,7 +807,7 @@ def main(argv: list[str] | None = None) -> None:
         log("waiting for the memory probes")
         bench_memory(probes)
     if sections & {"bandwidth", "decode"}:
-        from common.bench.bandwidth import ReadBandwidth
+        from bench.bandwidth import ReadBandwidth
         bandwidth = ReadBandwidth((256 << 20) if q else (1 << 30))
         bandwidth.measure(4)
         if "decode" not in sections:
