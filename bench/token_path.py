@@ -10,7 +10,7 @@ talking real gRPC on loopback; the client calls the public Generate API. The pee
 colocated worker would do with no router, no Redis and no KV transfer. Every torch engine here (the
 cluster's and the peer) runs with the same intra-op thread count, so the difference is the path.
 
-Prints one JSON object per figure on stdout, as bench.engine does. For latencies the value is the
+Prints one JSON object per figure on stdout, as every benchmark here does. For latencies the value is the
 cluster's, "ratio" = cluster / engine-alone and lower is better; for throughput higher is better.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from bench.engine import (MODEL, base_parser, chat_prompt, emit, emit_skipped, interleave, log, percentile,
-                          system_prompt)
+from bench.harness import (MODEL, base_parser, chat_prompt, emit, emit_load_avg, emit_skipped, interleave, log,
+                           percentile, system_prompt)
 from common.worker import WorkerConfig
 from router.cluster import Cluster
 from router.config import RouterConfig
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     itl_tokens, itl_rounds = (16, {1: 2, 16: 1}) if q else (48, {1: 6, 16: 3})
     s32_tokens = 8 if q else 64
     t_start = time.perf_counter()
-    emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("start")
 
     # threads 0 = the cluster's own policy (cores / workers); torch's count is per process, so the
     # engine alone runs with the same number as each of the cluster's engines.
@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
         cl.stop()
     if "prefix" in sections:
         bench_prefix(args, rounds=3 if q else 6)
-    emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("end")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
 
 

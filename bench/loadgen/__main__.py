@@ -11,7 +11,7 @@ First the unloaded figures: single requests, one at a time, on the first mode (d
 the SLOs are TTFT <= 4x and TPOT <= 2x those, per request shape. Then, per mix and rate, a fixed
 Poisson schedule (the same seed in every mode) is sent open-loop, a thread per request.
 
-Prints one JSON object per figure on stdout, as bench.engine does: latency percentiles per mode,
+Prints one JSON object per figure on stdout, as every benchmark here does: latency percentiles per mode,
 mix and rate; SLO attainment and what the cores were doing per rate; goodput per mode and mix; the
 ratios the issue asks for, with "target" and "met". Progress goes to stderr.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.engine import emit, emit_skipped, log
+from bench.harness import emit, emit_load_avg, emit_skipped, log
 from router.config import RouterConfig
 from bench.loadgen.cluster import PinnedCluster, modes, router_prefill_modes
 from bench.loadgen.report import machine_line, report_goodput, report_ratios
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
 def run(args, size: dict, all_modes: dict, full_run: bool) -> dict:
     t_start = time.perf_counter()
     machine_line(args, pinned=shutil.which("taskset") is not None)
-    emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("start")
     has_modes = router_prefill_modes()
     log_dir = Path(args.logs or tempfile.mkdtemp(prefix="loadgen-"))
     all_points: dict[str, dict[str, list[dict]]] = {}
@@ -340,7 +340,7 @@ def run(args, size: dict, all_modes: dict, full_run: bool) -> dict:
                          mode=name)
     good = report_goodput(all_points)
     report_ratios(all_points, good, args.mixes)
-    emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("end")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     plots = args.plots or ("docs" if full_run else None)
     if plots and all_points:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from bench.engine import emit, emit_skipped
+from bench.harness import emit, emit_machine, emit_skipped
 from bench.loadgen.workload import SLO_ATTAINMENT, goodput
 
 
@@ -94,10 +94,9 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: li
 
 
 def machine_line(args, pinned: bool) -> None:
-    from common.engine.hardware import auto_dtype, reported_flags
+    from common.engine.hardware import auto_dtype
 
-    print(json.dumps({"name": "machine", "cpu_flags": reported_flags(), "cores": os.cpu_count(),
-                      "dtype": args.dtype, "dtype_auto": auto_dtype()[1],
-                      "pinning": "taskset: each worker on its own core(s)" if pinned else
-                      "taskset not found: workers run unpinned, pools share every core",
-                      "router_and_client": "unpinned: they share cores 0-1 with the workers"}), flush=True)
+    emit_machine(cores=os.cpu_count(), dtype=args.dtype, dtype_auto=auto_dtype()[1],
+                 pinning="taskset: each worker on its own core(s)" if pinned else
+                 "taskset not found: workers run unpinned, pools share every core",
+                 router_and_client="unpinned: they share cores 0-1 with the workers")
