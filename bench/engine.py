@@ -96,8 +96,9 @@ class HF:
     name = PEER
 
     def __init__(self, dtype: str, model=None):
-        """model: an HF model of the same GGUF already loaded in `dtype` (tests share one; loading takes
-        about 15 s), else it is loaded here."""
+        """model: an HF model of the same GGUF already loaded in `dtype` (tests share one rather than load
+        their own: docs/benchmarks.md, "Figures behind the code": Tests share one HF model), else it is
+        loaded here."""
         from transformers import AutoModelForCausalLM, GgufConfig
 
         from common.engine.models import resolve_model_path
@@ -170,17 +171,17 @@ class EngineDecode:
 
 class BandwidthPasses:
     """A pass of the bandwidth probe as one more loop in the batch-1 rotation: the memory's speed measured
-    in the same spells as the steps it bounds. How fast the memory reads swings with what else the host
-    runs (a plain 2-thread read of 1 GiB ran at 41-50 GB/s, and seconds later at 76-81, on the AVX-512
-    EPYC VM), so a bound from the run's best pass, set against a median step taken at other moments, mixes
+    in the same spells as the steps it bounds. How fast the memory reads swings, within seconds, with what
+    else the host runs (docs/benchmarks.md, "Figures behind the code": Bandwidth measured in turn with the
+    steps), so a bound from the run's best pass, set against a median step taken at other moments, mixes
     two machines.
 
     A pass reads 1 GiB and leaves every cache, and the TLBs, full of its own lines, and in the rotation the
-    engine's step always came right after it. With the engine and the bare runner swapped in place (three
-    alternations each, on the Zen 3 VM), whichever came right after the pass was the slower: engine /
-    runner step time 1.034-1.035 against 0.980-0.997, about 2 % for following the pass. In service a
-    decode step follows the previous step, so `settle`, where given, is called after each pass, outside
-    its timing: one untimed decode step, so that every timed step follows a decode step.
+    engine's step always came right after it. With the engine and the bare runner swapped in place,
+    whichever came right after the pass was the slower (docs/benchmarks.md, "Figures behind the code": An
+    untimed step after each bandwidth pass). In service a decode step follows the previous step, so
+    `settle`, where given, is called after each pass, outside its timing: one untimed decode step, so
+    that every timed step follows a decode step.
     """
 
     name = "bandwidth"

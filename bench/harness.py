@@ -74,8 +74,9 @@ def percentile(xs: list[float], q: float) -> float:
 def interleave(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list]:
     """Call each fn once per round, rotating who goes first, so slow spells of a shared machine hit all.
     Who follows whom stays fixed (a shuffled order was tried: a step that came right after llama.cpp's ran
-    beside its threads still spinning, and every figure of ours dropped by 15-30 %); the bandwidth pass,
-    which evicts every cache, is followed by an untimed step of ours (bench.engine.BandwidthPasses.settle)."""
+    beside its threads still spinning, and every figure of ours dropped; docs/benchmarks.md, "Figures
+    behind the code": A fixed order of turns); the bandwidth pass, which evicts every cache, is followed by
+    an untimed step of ours (bench.engine.BandwidthPasses.settle)."""
     names = list(fns)
     out: dict[str, list] = {n: [] for n in names}
     for r in range(rounds):

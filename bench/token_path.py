@@ -436,8 +436,8 @@ def bench_placement(cl, client: ClusterClient, tokenizer, lengths: tuple[int, ..
         router.config = config
         bg.stop()
     # Remote pays at a length when it costs the decoding streams no more than local prefill does and the
-    # request's own TTFT no more than TTFT_TOLERANCE above local's (the push's fixed cost, ~20-40 ms, is
-    # what short prompts pay remotely).
+    # request's own TTFT no more than TTFT_TOLERANCE above local's (the push's fixed cost is what short
+    # prompts pay remotely: docs/benchmarks.md, "Figures behind the code": Remote prefill's TTFT tolerance).
     def remote_pays(n: int) -> bool:
         return stalls[n]["remote"] <= stalls[n]["local"] and ttft[n]["remote"] <= TTFT_TOLERANCE * ttft[n]["local"]
 

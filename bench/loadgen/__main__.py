@@ -234,9 +234,9 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
 
 def same_as_disaggregated(mode, mix: str, args) -> bool:
     """Conditional on a mix whose shortest prompt is above the threshold, and too long for the queue rule
-    (or with the rule off), is disaggregated by definition; the full run leaves it out (about 3
-    minutes); asked for by name (--modes and --mixes), it runs. Chat always runs: the conditional
-    target is measured there."""
+    (or with the rule off), is disaggregated by definition; the full run leaves it out (docs/benchmarks.md,
+    "Figures behind the code": Conditional left out where it is disaggregated); asked for by name (--modes
+    and --mixes), it runs. Chat always runs: the conditional target is measured there."""
     if mode.prefill_mode != "conditional" or mix == "chat" or (args.modes_asked and args.mixes_asked):
         return False
     shortest = min(round(s.prompt_len * (1 - s.spread)) for s, _ in MIXES[mix])
