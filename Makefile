@@ -49,14 +49,14 @@ bench: protos
 	@$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)" || \
 		echo "make bench: llama-cpp-python is not installed, so the llama.cpp peer figures are skipped;" \
 		"\`make bench-peers\` installs it (compiles llama.cpp, 3-7 minutes on 2 cores)"
-	$(PY) -m common.bench.engine $(ARGS)
-	$(PY) -m router.bench $(ARGS)
+	$(PY) -m bench.engine $(ARGS)
+	$(PY) -m bench.token_path $(ARGS)
 	$(MAKE) --no-print-directory bench-load
 
 # Open-loop Poisson load on pinned service processes, per placement mode (about 15 minutes; ARGS=--quick
 # for a 2-minute smoke). Writes docs/loadgen-*.png after a full run.
 bench-load: protos
-	$(PY) -m router.loadgen $(ARGS)
+	$(PY) -m bench.loadgen $(ARGS)
 
 # Uninstalled first, so that a build from before a change of flags (or another host's) is replaced.
 bench-peers: $(STAMP)

@@ -28,7 +28,7 @@ class PrefillWorker(WorkerBase):
         # Channels to decode workers' KV ports; targets come with each request, pods come and go.
         self.kv_channels = grpc_util.ChannelCache(credentials=self.channel_credentials,
                                                   server_name=self.config.tls.server_name)
-        self.stream_kv = self.config.stream_kv  # read per request: router.bench compares both on one worker
+        self.stream_kv = self.config.stream_kv  # read per request: bench.token_path compares both on one worker
 
     def _num_blocks(self) -> int:
         # K/V lives here only while a prompt is computed and exported.

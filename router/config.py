@@ -33,7 +33,7 @@ class RouterConfig:
     # worker that decodes them; no prefill pool needed) or conditional (on a prefill worker when the
     # prompt has at least remote_prefill_min_tokens tokens, else on the decode worker).
     prefill_mode: str = "disaggregated"
-    # 64 from `python -m router.bench --only placement` on 2 CPU cores (docs/operations.md): from 32-64 prompt
+    # 64 from `python -m bench.token_path --only placement` on 2 CPU cores (docs/operations.md): from 32-64 prompt
     # tokens on, remote prefill gave a TTFT within 1.1x of local (the push's fixed cost) and stalled a
     # decoding stream 34-61 ms instead of the whole prefill (124-183 ms at 32-64 tokens, 2.3 s at 1,024).
     remote_prefill_min_tokens: int = 64
@@ -110,7 +110,7 @@ class RouterConfig:
         cli.add_flag(p, "--remote-prefill-min-tokens", "HANDOFF_REMOTE_PREFILL_MIN_TOKENS",
                      RouterConfig.remote_prefill_min_tokens,
                      "conditional: the shortest prompt (in tokens) prefilled on a prefill worker "
-                     "(measure yours: python -m router.bench --only placement)", int)
+                     "(measure yours: python -m bench.token_path --only placement)", int)
         cli.add_flag(p, "--remote-prefill-max-queue-ratio", "HANDOFF_REMOTE_PREFILL_MAX_QUEUE_RATIO",
                      RouterConfig.remote_prefill_max_queue_ratio,
                      "conditional: prefill on the decode worker a prompt that would queue behind more than "

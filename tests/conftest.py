@@ -216,7 +216,7 @@ def hf_smollm2(smollm2_path):
 def bench_systems(hf_smollm2):
     """The engine benchmark's two systems in the dtype this host serves, as `make bench` picks it (bf16
     where the CPU has it natively, else fp32, sharing the session's HF reference): (dtype name, Ours, HF)."""
-    from common.bench import engine
+    from bench import engine
     from common.engine.hardware import auto_dtype
     from common.engine.runner import DTYPE_NAMES
     dtype = auto_dtype()[0]

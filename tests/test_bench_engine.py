@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from common.bench import engine
-from common.bench.bandwidth import ReadBandwidth
+from bench import engine
+from bench.bandwidth import ReadBandwidth
 
 
 def test_the_bound_is_taken_at_bandwidth_passes_in_turn_with_the_steps(capsys, bench_systems):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.bench import engine, llamacpp
+from bench import engine, llamacpp
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP_MISSING = llamacpp.missing_reason()
@@ -95,7 +95,7 @@ def test_make_installs_a_pinned_llama_cpp_outside_the_requirements():
 @pytest.mark.skipif(LLAMA_CPP_MISSING is not None,
                     reason=f"{LLAMA_CPP_MISSING}; {llamacpp.HOW_TO_GET}")
 def test_tiny_run_emits_the_llama_cpp_figures(capsys, bench_systems):
-    from common.bench.bandwidth import ReadBandwidth
+    from bench.bandwidth import ReadBandwidth
 
     threads = torch.get_num_threads()
     figures = engine.llama_cpp_figures({"prefill", "decode"}, {128: 1}, [1], long_context=160)

@@ -1,14 +1,14 @@
-"""router.loadgen: the workload and scoring rules on their own, then the quick mode against real processes."""
+"""bench.loadgen: the workload and scoring rules on their own, then the quick mode against real processes."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from router import loadgen
+from bench.loadgen import __main__ as loadgen
 from router.config import RouterConfig
-from router.loadgen_workload import (LONG, SLO, TPOT_SLO_FACTOR, TTFT_SLO_FACTOR, Result, attainment, goodput, meets,
-                                     percentiles, plan)
+from bench.loadgen.workload import (LONG, SLO, TPOT_SLO_FACTOR, TTFT_SLO_FACTOR, Result, attainment, goodput, meets,
+                                   percentiles, plan)
 
 
 def test_plan_is_open_loop_poisson_with_exact_lengths():
@@ -60,7 +60,7 @@ def test_slo_attainment_and_goodput():
 
 
 def test_plots(tmp_path):
-    from router.loadgen_plot import plot
+    from bench.loadgen.plot import plot
 
     lat = {m: {"p50": 10.0, "p90": 20.0, "p99": 30.0} for m in ("ttft", "tpot", "itl", "e2e")}
     points = {"disaggregated": {"chat": [dict(rate_rps=r, latency_ms=lat) for r in (0.5, 1.0)]}}
@@ -116,7 +116,7 @@ def test_quick_run_against_real_processes(tmp_path, capsys):
 
 
 def test_modes_pin_workers_and_set_the_routers_placement(tmp_path):
-    from router.loadgen_cluster import PinnedCluster, modes
+    from bench.loadgen.cluster import PinnedCluster, modes
 
     all_modes = modes(remote_prefill_min_tokens=300)
     assert list(all_modes) == ["disaggregated", "colocated-1x2t", "colocated-2x1t", "conditional"]
@@ -150,7 +150,7 @@ def test_modes_pin_workers_and_set_the_routers_placement(tmp_path):
 def test_conditional_is_left_out_of_the_full_run_where_it_is_disaggregated():
     from types import SimpleNamespace
 
-    from router.loadgen_cluster import modes
+    from bench.loadgen.cluster import modes
 
     all_modes = modes(remote_prefill_min_tokens=512)
     full = SimpleNamespace(modes_asked=False, mixes_asked=False, remote_prefill_min_tokens=512,
@@ -179,7 +179,7 @@ def test_conditional_is_left_out_of_the_full_run_where_it_is_disaggregated():
 
 
 def test_ratio_lines(capsys):
-    from router.loadgen_report import report_ratios
+    from bench.loadgen.report import report_ratios
 
     def point(rate: float, tpot_p99_s: float | None) -> dict:
         return dict(rate_rps=rate, tpot_p99_s=tpot_p99_s)

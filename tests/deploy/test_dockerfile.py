@@ -1,6 +1,7 @@
-"""The Dockerfile, read: pinned bases, non-root, no secrets, entry points and copies that exist."""
+"""The Dockerfile, read: pinned bases, non-root, no secrets, entry points, copies that exist, no benchmarks."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shlex
@@ -129,14 +130,24 @@ def dockerignore_excludes(rel_path: str, patterns: list[str]) -> bool:
     return excluded
 
 
-def test_dockerfile_copies_exist_and_survive_the_dockerignore():
-    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
-                if line.strip() and not line.strip().startswith("#")]
+def dockerignore_patterns() -> list[str]:
+    return [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def copied_sources() -> list[str]:
+    """What the Dockerfile's COPY instructions take from the build context (not from another stage)."""
     sources = []
     for kw, args in dockerfile_instructions():
         if kw == "COPY" and "--from=" not in args:
             words = [w for w in shlex.split(args) if not w.startswith("--")]
             sources += words[:-1]
+    return sources
+
+
+def test_dockerfile_copies_exist_and_survive_the_dockerignore():
+    patterns = dockerignore_patterns()
+    sources = copied_sources()
     assert sources, "the image copies the code in"
     for source in sources:
         path = ROOT / source
@@ -149,3 +160,32 @@ def test_dockerfile_copies_exist_and_survive_the_dockerignore():
                 assert dockerignore_excludes(rel, patterns), f"{rel} is generated: rebuild it in the image"
             elif f.suffix in (".py", ".proto", ".txt"):
                 assert not dockerignore_excludes(rel, patterns), f"{rel} is copied but the dockerignore drops it"
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level packages a Python file imports (absolute imports only)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_image_ships_no_benchmarks():
+    """bench/ measures the services and stays out of the image: no COPY takes it, the dockerignore drops
+    every file of it, and no module the image copies imports it (which would fail there)."""
+    patterns = dockerignore_patterns()
+    sources = copied_sources()
+    assert not [s for s in sources if s.strip("./").split("/")[0] == "bench"], f"COPY {sources}: bench/ is copied"
+    bench_files = [f for f in (ROOT / "bench").rglob("*.py") if "__pycache__" not in f.parts]
+    assert bench_files, "bench/ holds the benchmarks"
+    for f in bench_files:
+        rel = f.relative_to(ROOT).as_posix()
+        assert dockerignore_excludes(rel, patterns), f"{rel}: the dockerignore lets a benchmark into the image"
+    for source in sources:
+        path = ROOT / source
+        for f in [path] if path.is_file() else path.rglob("*.py"):
+            if f.suffix == ".py" and "__pycache__" not in f.parts:
+                assert "bench" not in imported_packages(f), f"{f.relative_to(ROOT)} imports bench: not in the image"

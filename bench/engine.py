@@ -1,9 +1,9 @@
-"""python -m common.bench.engine: the engine alone against HF transformers and llama.cpp, same weights, same run.
+"""python -m bench.engine: the engine alone against HF transformers and llama.cpp, same weights, same run.
 
-    python -m common.bench.engine                         # every figure, bf16 (a few minutes)
-    python -m common.bench.engine --quick                 # CI smoke: small sizes, under 2 minutes
-    python -m common.bench.engine --only prefill decode --dtype fp32
-    python -m common.bench.engine --profile               # top ops of one decode step at batch 1 and 32 (stderr)
+    python -m bench.engine                    # every figure, bf16 (a few minutes)
+    python -m bench.engine --quick            # CI smoke: small sizes, under 2 minutes
+    python -m bench.engine --only prefill decode --dtype fp32
+    python -m bench.engine --profile          # top ops of one decode step at batch 1 and 32 (stderr)
 
 Prints one JSON object per figure on stdout: {"name", "value", "unit"}, plus "peer", "peer_value" and
 "ratio" (= value / peer_value) where the peer ran in the same process; "target" and "met" where the
@@ -15,7 +15,7 @@ The peer is HF transformers on the same GGUF file with its weights unpacked to d
 dtype (`GgufConfig(dequantize=True)`, asked for explicitly so that the peer stays dense whichever GGUF
 kernels a newer transformers finds installed; here its default load gave the same plain nn.Linear layers).
 
-The second peer is llama.cpp (llama-cpp-python, `common/bench/llamacpp.py`) on the same file with its
+The second peer is llama.cpp (llama-cpp-python, `bench/llamacpp.py`) on the same file with its
 own packed-weight kernels, fed the same token ids, with the same thread count: prefill at 128 and 512
 tokens and decode at one stream (at 107 and 1,024 tokens) take turns with ours in the same sections. It
 is optional (`make bench-peers`); without it one line {"name": "llama_cpp_peer", "skipped", "how",
@@ -38,13 +38,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.bench import llamacpp
+from bench import llamacpp
+from bench.harness import (MODEL, base_parser, chat_prompt, emit, emit_load_avg, emit_machine, emit_skipped, interleave,
+                           log, system_prompt)
 
 if TYPE_CHECKING:
-    from common.bench.bandwidth import ReadBandwidth
-    from common.bench.llamacpp import LlamaCpp
+    from bench.bandwidth import ReadBandwidth
+    from bench.llamacpp import LlamaCpp
 
-MODEL = "smollm2"
 CHAT_PROMPT_LEN = 107  # DESIGN.md's decode context: a 107-token chat prompt
 LONG_CONTEXT = 1024  # one stream again at a long context, where attention is most of a step (not in --quick)
 SECTIONS = ("bandwidth", "prefill", "decode", "memory", "dtypes", "prefix")
@@ -52,112 +53,10 @@ PEER = "hf-transformers"
 LLAMA_CPP_PREFILL_LENS = (128, 512)  # the prompt lengths llama.cpp prefills (the issue's; 2,048 is HF's alone)
 
 
-# ----------------------------------------------------------------------------- output, shared with router.bench
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _num(x: float) -> float | int:
-    if isinstance(x, int):
-        return x
-    return float(f"{x:.4g}")
-
-
-def emit(name: str, value: float, unit: str, *, peer: str | None = None, peer_value: float | None = None,
-         ratio: float | None = None, target: str | None = None, met: bool | None = None, **extra) -> dict:
-    """Print one figure as a JSON line. ratio defaults to value / peer_value."""
-    rec: dict = {"name": name, "value": _num(value), "unit": unit}
-    if peer is not None:
-        rec["peer"] = peer
-        rec["peer_value"] = _num(peer_value)
-        rec["ratio"] = _num(ratio if ratio is not None else value / peer_value)
-    if target is not None:
-        rec["target"] = target
-        rec["met"] = bool(met)
-    rec.update({k: _num(v) if isinstance(v, float) else v for k, v in extra.items()})
-    print(json.dumps(rec), flush=True)
-    return rec
-
-
-def emit_skipped(name: str, why: str, how: str, **extra) -> dict:
-    """Print, as a JSON line, figures this run could not measure and how to get them; say so on stderr too."""
-    rec = {"name": name, "skipped": why, "how": how, **extra}
-    print(json.dumps(rec), flush=True)
-    log(f"{name} skipped: {why}; {how}")
-    return rec
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated q-th percentile (numpy's default); with n samples p99 is near the max."""
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def chat_prompt(tokenizer, num_tokens: int) -> tuple[str, list[int]]:
-    """A one-turn chat prompt (the model's template) of exactly `num_tokens` tokens: (text, ids).
-
-    The user turn repeats words that are one token each with a leading space, so every added word adds
-    exactly one token; the text re-encodes to the same ids, which the router's `prompt` field needs.
-    """
-    words = ("Please explain in simple words why the sky is blue during the day and red at night and "
-             "what the air does to the light of the sun when it goes through it on the way to our").split()
-
-    def render(k: int) -> str:
-        body = " ".join(words[i % len(words)] for i in range(k))
-        return tokenizer.apply_chat_template([{"role": "user", "content": body}])
-
-    base = len(tokenizer.encode(render(0)))
-    for k in range(max(0, num_tokens - base - 2), num_tokens - base + 3):
-        text = render(k)
-        ids = tokenizer.encode(text)
-        if len(ids) == num_tokens:
-            return text, ids
-    raise RuntimeError(f"could not build a chat prompt of exactly {num_tokens} tokens")
-
-
-def system_prompt(tokenizer, topic: str, num_tokens: int) -> str:
-    """A system prompt of about num_tokens tokens (at least), about `topic`."""
-    sentence = (f"You are the assistant of a public library and you answer questions about {topic}: you are "
-                f"brief, exact, and you say when you do not know. ")
-    text = ""
-    while len(tokenizer.encode(text)) < num_tokens:
-        text += sentence
-    return text
-
-
 def same_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two outputs share."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def interleave(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list]:
-    """Call each fn once per round, rotating who goes first, so slow spells of a shared machine hit all.
-    Who follows whom stays fixed (a shuffled order was tried: a step that came right after llama.cpp's ran
-    beside its threads still spinning, and every figure of ours dropped by 15-30 %); the bandwidth pass,
-    which evicts every cache, is followed by an untimed step of ours (BandwidthPasses.settle)."""
-    names = list(fns)
-    out: dict[str, list] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            out[n].append(fns[n]())
-    return out
-
-
-def base_parser(prog: str, doc: str, sections: tuple[str, ...], *, threads: int = 2,
-                threads_help: str = "torch intra-op threads (default 2)") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke run (< 2 min)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
-                   help="auto (the default of every service): bf16 where the CPU multiplies it natively, else fp32")
-    p.add_argument("--only", nargs="+", choices=sections, metavar="NAME",
-                   help=f"run only these sections: {', '.join(sections)}")
-    p.add_argument("--threads", type=int, default=threads, help=threads_help)
-    return p
 
 
 def quiet_hf() -> None:
@@ -197,8 +96,9 @@ class HF:
     name = PEER
 
     def __init__(self, dtype: str, model=None):
-        """model: an HF model of the same GGUF already loaded in `dtype` (tests share one; loading takes
-        about 15 s), else it is loaded here."""
+        """model: an HF model of the same GGUF already loaded in `dtype` (tests share one rather than load
+        their own: docs/benchmarks.md, "Figures behind the code": Tests share one HF model), else it is
+        loaded here."""
         from transformers import AutoModelForCausalLM, GgufConfig
 
         from common.engine.models import resolve_model_path
@@ -271,17 +171,17 @@ class EngineDecode:
 
 class BandwidthPasses:
     """A pass of the bandwidth probe as one more loop in the batch-1 rotation: the memory's speed measured
-    in the same spells as the steps it bounds. How fast the memory reads swings with what else the host
-    runs (a plain 2-thread read of 1 GiB ran at 41-50 GB/s, and seconds later at 76-81, on the AVX-512
-    EPYC VM), so a bound from the run's best pass, set against a median step taken at other moments, mixes
+    in the same spells as the steps it bounds. How fast the memory reads swings, within seconds, with what
+    else the host runs (docs/benchmarks.md, "Figures behind the code": Bandwidth measured in turn with the
+    steps), so a bound from the run's best pass, set against a median step taken at other moments, mixes
     two machines.
 
     A pass reads 1 GiB and leaves every cache, and the TLBs, full of its own lines, and in the rotation the
-    engine's step always came right after it. With the engine and the bare runner swapped in place (three
-    alternations each, on the Zen 3 VM), whichever came right after the pass was the slower: engine /
-    runner step time 1.034-1.035 against 0.980-0.997, about 2 % for following the pass. In service a
-    decode step follows the previous step, so `settle`, where given, is called after each pass, outside
-    its timing: one untimed decode step, so that every timed step follows a decode step.
+    engine's step always came right after it. With the engine and the bare runner swapped in place,
+    whichever came right after the pass was the slower (docs/benchmarks.md, "Figures behind the code": An
+    untimed step after each bandwidth pass). In service a decode step follows the previous step, so
+    `settle`, where given, is called after each pass, outside its timing: one untimed decode step, so
+    that every timed step follows a decode step.
     """
 
     name = "bandwidth"
@@ -527,7 +427,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
                  long_context: int | None = None) -> None:
     """Per batch size: the engine, the bare runner and HF (and llama.cpp at batch 1) step in turn, one step
     each, `steps` times. With `long_context`, one stream again after a prompt of that many tokens."""
-    from common.bench.bandwidth import decode_bound_tok_s
+    from bench.bandwidth import decode_bound_tok_s
     from common.engine.planner import kv_bytes_per_token
 
     _, prompt_ids = chat_prompt(ours.tokenizer, CHAT_PROMPT_LEN)
@@ -685,8 +585,8 @@ def bench_memory(probes: dict[str, subprocess.Popen]) -> None:
 
 def start_memory_probes(dtype: str, threads: int) -> dict[str, subprocess.Popen]:
     """One fresh process per system, so each high-water mark is its own; they run while we load."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    return {who: subprocess.Popen([sys.executable, "-m", "common.bench.engine", "--memory-probe", who, "--dtype", dtype,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+    return {who: subprocess.Popen([sys.executable, "-m", "bench.engine", "--memory-probe", who, "--dtype", dtype,
                                    "--threads", str(threads)], stdout=subprocess.PIPE, text=True, cwd=root)
             for who in ("ours", "hf")}
 
@@ -761,7 +661,7 @@ def load_llama_cpp(figures: list[str], threads: int, n_ctx: int) -> LlamaCpp | N
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> None:
-    p = base_parser("python -m common.bench.engine", __doc__, SECTIONS)
+    p = base_parser("python -m bench.engine", __doc__, SECTIONS)
     p.add_argument("--profile", action="store_true", help="profile one decode step at batch 1 and 32 (stderr)")
     p.add_argument("--memory-probe", choices=("ours", "hf"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -779,18 +679,17 @@ def main(argv: list[str] | None = None) -> None:
     long_context = None if q else LONG_CONTEXT
     t_start = time.perf_counter()
     from common.engine import native, pages
-    from common.engine.hardware import auto_dtype, reported_flags
+    from common.engine.hardware import auto_dtype
     from common.engine.runner import DTYPE_NAMES
 
     asked = args.dtype
     args.dtype = DTYPE_NAMES[auto_dtype()[0]] if asked == "auto" else asked
     log(f"dtype {args.dtype}{' (auto)' if asked == 'auto' else ''}, {args.threads} threads, "
         f"sections {sorted(sections)}{' (quick)' if q else ''}")
-    print(json.dumps({"name": "machine", "cpu_flags": reported_flags(), "dtype": args.dtype,
-                      "dtype_asked": asked, "why": auto_dtype()[1], "threads": args.threads,
-                      "decode_matmuls": native.matmuls_mode()[1], "transparent_huge_pages": pages.thp_mode(),
-                      "huge_pages": pages.enabled()}), flush=True)
-    emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_machine(dtype=args.dtype, dtype_asked=asked, why=auto_dtype()[1], threads=args.threads,
+                 decode_matmuls=native.matmuls_mode()[1], transparent_huge_pages=pages.thp_mode(),
+                 huge_pages=pages.enabled())
+    emit_load_avg("start")
 
     probes = start_memory_probes(args.dtype, args.threads) if "memory" in sections else {}
     ours = hf = llama = None
@@ -807,7 +706,7 @@ def main(argv: list[str] | None = None) -> None:
         log("waiting for the memory probes")
         bench_memory(probes)
     if sections & {"bandwidth", "decode"}:
-        from common.bench.bandwidth import ReadBandwidth
+        from bench.bandwidth import ReadBandwidth
         bandwidth = ReadBandwidth((256 << 20) if q else (1 << 30))
         bandwidth.measure(4)
         if "decode" not in sections:
@@ -825,7 +724,7 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         bench_dtypes(max(2 * max(batches) * -(-(CHAT_PROMPT_LEN + steps + warmup + 16) // 16), 512 // 16 + 1),
                      batches[:2], steps, warmup, 5 if q else 9)
-    emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("end")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
 
 

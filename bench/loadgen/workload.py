@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from common.bench.engine import percentile
+from bench.harness import percentile
 
 # Prompt token ids are drawn at random from this range: ordinary word pieces of SmolLM2's 49,152-token
 # vocabulary (the special tokens sit below 100). Random ids, not a repeated sentence, so that no two

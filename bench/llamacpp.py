@@ -49,7 +49,7 @@ class LlamaCpp:
         # n_batch = n_ubatch = n_ctx: a prompt is one forward, as in ours. use_mmap=False reads the
         # weights into memory at load, so no page faults land in a measured call. flash_attn=True is what
         # llama.cpp's own default (auto) picks on a CPU; the binding's False turns it off, which was
-        # 8-13 % slower here.
+        # slower (docs/benchmarks.md, "Figures behind the code": llama.cpp with flash attention).
         self.llm = Llama(model_path=str(model_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                          n_threads=threads, n_threads_batch=threads, flash_attn=True, use_mmap=False,
                          verbose=False)

@@ -1,8 +1,8 @@
-"""python -m router.bench: the whole cluster against the engine alone, in one process and one run.
+"""python -m bench.token_path: the whole cluster against the engine alone, in one process and one run.
 
-    python -m router.bench                          # every figure (a few minutes)
-    python -m router.bench --quick                  # CI smoke: small sizes, under 2 minutes
-    python -m router.bench --only ttft kv --decode-workers 2
+    python -m bench.token_path                      # every figure (a few minutes)
+    python -m bench.token_path --quick              # CI smoke: small sizes, under 2 minutes
+    python -m bench.token_path --only ttft kv --decode-workers 2
 
 The cluster is `router.cluster.Cluster`: embedded Redis, a prefill and a decode worker and the router,
 talking real gRPC on loopback; the client calls the public Generate API. The peer, "engine-alone", is
@@ -10,7 +10,7 @@ talking real gRPC on loopback; the client calls the public Generate API. The pee
 colocated worker would do with no router, no Redis and no KV transfer. Every torch engine here (the
 cluster's and the peer) runs with the same intra-op thread count, so the difference is the path.
 
-Prints one JSON object per figure on stdout, as common.bench.engine does. For latencies the value is the
+Prints one JSON object per figure on stdout, as every benchmark here does. For latencies the value is the
 cluster's, "ratio" = cluster / engine-alone and lower is better; for throughput higher is better.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
-from common.bench.engine import (MODEL, base_parser, chat_prompt, emit, emit_skipped, interleave, log, percentile,
-                                 system_prompt)
+from bench.harness import (MODEL, base_parser, chat_prompt, emit, emit_load_avg, emit_skipped, interleave, log,
+                           percentile, system_prompt)
 from common.worker import WorkerConfig
 from router.cluster import Cluster
 from router.config import RouterConfig
@@ -436,8 +436,8 @@ def bench_placement(cl, client: ClusterClient, tokenizer, lengths: tuple[int, ..
         router.config = config
         bg.stop()
     # Remote pays at a length when it costs the decoding streams no more than local prefill does and the
-    # request's own TTFT no more than TTFT_TOLERANCE above local's (the push's fixed cost, ~20-40 ms, is
-    # what short prompts pay remotely).
+    # request's own TTFT no more than TTFT_TOLERANCE above local's (the push's fixed cost is what short
+    # prompts pay remotely: docs/benchmarks.md, "Figures behind the code": Remote prefill's TTFT tolerance).
     def remote_pays(n: int) -> bool:
         return stalls[n]["remote"] <= stalls[n]["local"] and ttft[n]["remote"] <= TTFT_TOLERANCE * ttft[n]["local"]
 
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     from common.engine.tokenizer import load_tokenizer
     from common.engine.models import resolve_model_path
 
-    p = base_parser("python -m router.bench", __doc__, SECTIONS, threads=0,
+    p = base_parser("python -m bench.token_path", __doc__, SECTIONS, threads=0,
                     threads_help="torch intra-op threads of every engine (default 0: the cluster's own "
                                  "choice, cores / workers)")
     p.add_argument("--decode-workers", type=int, default=1, choices=(1, 2))
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     itl_tokens, itl_rounds = (16, {1: 2, 16: 1}) if q else (48, {1: 6, 16: 3})
     s32_tokens = 8 if q else 64
     t_start = time.perf_counter()
-    emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("start")
 
     # threads 0 = the cluster's own policy (cores / workers); torch's count is per process, so the
     # engine alone runs with the same number as each of the cluster's engines.
@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
         cl.stop()
     if "prefix" in sections:
         bench_prefix(args, rounds=3 if q else 6)
-    emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("end")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
 
 

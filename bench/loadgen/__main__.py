@@ -1,17 +1,17 @@
-"""python -m router.loadgen: open-loop Poisson load on real service processes, per placement mode and mix.
+"""python -m bench.loadgen: open-loop Poisson load on real service processes, per placement mode and mix.
 
-    python -m router.loadgen                        # the full sweep (about 15 minutes on 2 cores)
-    python -m router.loadgen --quick                # CI smoke: disaggregated, chat (32-token outputs), 2 rates, < 2 min
-    python -m router.loadgen --modes disaggregated colocated-2x1t --mixes long --rates 0.1 0.2
+    python -m bench.loadgen                         # the full sweep (about 15 minutes on 2 cores)
+    python -m bench.loadgen --quick                 # CI smoke: disaggregated, chat (32-token outputs), 2 rates, < 2 min
+    python -m bench.loadgen --modes disaggregated colocated-2x1t --mixes long --rates 0.1 0.2
 
-Each mode (router.loadgen_cluster.modes) starts as separate processes, every worker pinned to its core(s)
+Each mode (bench.loadgen.cluster.modes) starts as separate processes, every worker pinned to its core(s)
 with taskset, so a pool is a real core; the router and this load generator are not pinned. Requests go
-through the public Generate API with ignore_eos and exact prompt and output lengths (router.loadgen_workload).
+through the public Generate API with ignore_eos and exact prompt and output lengths (bench.loadgen.workload).
 First the unloaded figures: single requests, one at a time, on the first mode (disaggregated by default);
 the SLOs are TTFT <= 4x and TPOT <= 2x those, per request shape. Then, per mix and rate, a fixed
 Poisson schedule (the same seed in every mode) is sent open-loop, a thread per request.
 
-Prints one JSON object per figure on stdout, as common.bench.engine does: latency percentiles per mode,
+Prints one JSON object per figure on stdout, as every benchmark here does: latency percentiles per mode,
 mix and rate; SLO attainment and what the cores were doing per rate; goodput per mode and mix; the
 ratios the issue asks for, with "target" and "met". Progress goes to stderr.
 """
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import grpc
 
-from common.bench.engine import emit, emit_skipped, log
+from bench.harness import emit, emit_load_avg, emit_skipped, log
 from router.config import RouterConfig
-from router.loadgen_cluster import PinnedCluster, modes, router_prefill_modes
-from router.loadgen_report import machine_line, report_goodput, report_ratios
-from router.loadgen_workload import (CHAT, LONG, MIXES, PROMPT_ID_RANGE, SLO, SLO_ATTAINMENT,
-                                     Planned, Result, attainment, percentiles, plan)
+from bench.loadgen.cluster import PinnedCluster, modes, router_prefill_modes
+from bench.loadgen.report import machine_line, report_goodput, report_ratios
+from bench.loadgen.workload import (CHAT, LONG, MIXES, PROMPT_ID_RANGE, SLO, SLO_ATTAINMENT,
+                                   Planned, Result, attainment, percentiles, plan)
 
 # Sizing (docs/benchmarks.md): per rate point, requests = rate x window_s, clamped to [min, max]; each
 # point then waits, after its last arrival, until no request still running could meet the SLOs (at most
@@ -234,9 +234,9 @@ def run_point(cl: PinnedCluster, gen: LoadGen, mix: str, rate: float, size: dict
 
 def same_as_disaggregated(mode, mix: str, args) -> bool:
     """Conditional on a mix whose shortest prompt is above the threshold, and too long for the queue rule
-    (or with the rule off), is disaggregated by definition; the full run leaves it out (about 3
-    minutes); asked for by name (--modes and --mixes), it runs. Chat always runs: the conditional
-    target is measured there."""
+    (or with the rule off), is disaggregated by definition; the full run leaves it out (docs/benchmarks.md,
+    "Figures behind the code": Conditional left out where it is disaggregated); asked for by name (--modes
+    and --mixes), it runs. Chat always runs: the conditional target is measured there."""
     if mode.prefill_mode != "conditional" or mix == "chat" or (args.modes_asked and args.mixes_asked):
         return False
     shortest = min(round(s.prompt_len * (1 - s.spread)) for s, _ in MIXES[mix])
@@ -282,7 +282,7 @@ def _interrupt(*_) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m router.loadgen", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI smoke: disaggregated, chat, 2 rates, 4 requests each")
     p.add_argument("--modes", nargs="+", choices=list(modes(0)), help="default: all (quick: disaggregated)")
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
 def run(args, size: dict, all_modes: dict, full_run: bool) -> dict:
     t_start = time.perf_counter()
     machine_line(args, pinned=shutil.which("taskset") is not None)
-    emit("load_avg_1min_at_start", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("start")
     has_modes = router_prefill_modes()
     log_dir = Path(args.logs or tempfile.mkdtemp(prefix="loadgen-"))
     all_points: dict[str, dict[str, list[dict]]] = {}
@@ -340,11 +340,11 @@ def run(args, size: dict, all_modes: dict, full_run: bool) -> dict:
                          mode=name)
     good = report_goodput(all_points)
     report_ratios(all_points, good, args.mixes)
-    emit("load_avg_1min_at_end", os.getloadavg()[0], f"runnable processes ({os.cpu_count()} cores): noise")
+    emit_load_avg("end")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     plots = args.plots or ("docs" if full_run else None)
     if plots and all_points:
-        from router.loadgen_plot import plot
+        from bench.loadgen.plot import plot
         for path in plot(all_points, good, Path(plots)):
             log(f"wrote {path}")
     return {"points": all_points, "goodput": good, "slos": base.slos if base else {}}

@@ -15,10 +15,11 @@ _ROW_BYTES = 1 << 18  # 256 KiB rows: long enough to stream, enough of them to s
 class ReadBandwidth:
     """Best GB/s (1e9 bytes/s) of summing an fp32 tensor at torch's thread count, over every pass so far.
 
-    A 2-D row sum, not a flat sum: torch splits rows across threads and vectorises each, where a flat
-    1-D sum of the same bytes ran at a third of the speed here. Best, not median: the question is what
-    the memory can deliver, and other processes only ever make a pass slower; so passes can be spread
-    over a run (`measure` again later) to catch a quiet moment of a shared machine.
+    A 2-D row sum, not a flat sum: torch splits rows across threads and vectorises each, and a flat 1-D
+    sum of the same bytes was much slower (docs/benchmarks.md, "Figures behind the code": A row sum for
+    the bandwidth probe). Best, not median: the question is what the memory can deliver, and other
+    processes only ever make a pass slower; so passes can be spread over a run (`measure` again later) to
+    catch a quiet moment of a shared machine.
     """
 
     def __init__(self, num_bytes: int = 1 << 30):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import os
 
-from common.bench.engine import emit, emit_skipped
-from router.loadgen_workload import SLO_ATTAINMENT, goodput
+from bench.harness import emit, emit_machine, emit_skipped
+from bench.loadgen.workload import SLO_ATTAINMENT, goodput
 
 
 def report_goodput(all_points: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, float]]:
@@ -57,10 +57,10 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: li
             continue
         if "disaggregated" not in good or mix not in good["disaggregated"] or not colocated:
             emit_skipped(f"tpot_p99_disaggregated_vs_colocated_{mix}", "needs the disaggregated and a colocated "
-                         "mode on this mix", "python -m router.loadgen (all modes; colocated needs the router's "
+                         "mode on this mix", "python -m bench.loadgen (all modes; colocated needs the router's "
                          "--prefill-mode)")
             emit_skipped(f"goodput_disaggregated_vs_colocated_{mix}", "needs disaggregated and colocated modes",
-                         "python -m router.loadgen")
+                         "python -m bench.loadgen")
             continue
         dis = {p["rate_rps"]: p for p in all_points["disaggregated"][mix]}
         for co in colocated:
@@ -86,7 +86,7 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: li
         return
     if "chat" not in good.get("conditional", {}) or not others:
         emit_skipped("goodput_conditional_vs_best_chat", "needs the conditional mode and another on chat",
-                     "python -m router.loadgen (conditional needs the router's --prefill-mode)")
+                     "python -m bench.loadgen (conditional needs the router's --prefill-mode)")
         return
     m, g = _best(good, "chat", others)
     _goodput_ratio("goodput_conditional_vs_best_chat", good["conditional"]["chat"], f"req/s (ratio = "
@@ -94,10 +94,9 @@ def report_ratios(all_points: dict, good: dict[str, dict[str, float]], mixes: li
 
 
 def machine_line(args, pinned: bool) -> None:
-    from common.engine.hardware import auto_dtype, reported_flags
+    from common.engine.hardware import auto_dtype
 
-    print(json.dumps({"name": "machine", "cpu_flags": reported_flags(), "cores": os.cpu_count(),
-                      "dtype": args.dtype, "dtype_auto": auto_dtype()[1],
-                      "pinning": "taskset: each worker on its own core(s)" if pinned else
-                      "taskset not found: workers run unpinned, pools share every core",
-                      "router_and_client": "unpinned: they share cores 0-1 with the workers"}), flush=True)
+    emit_machine(cores=os.cpu_count(), dtype=args.dtype, dtype_auto=auto_dtype()[1],
+                 pinning="taskset: each worker on its own core(s)" if pinned else
+                 "taskset not found: workers run unpinned, pools share every core",
+                 router_and_client="unpinned: they share cores 0-1 with the workers")

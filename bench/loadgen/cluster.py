@@ -25,7 +25,7 @@ from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
 from router.config import RouterConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0  # a worker loads the model (a few seconds) and warms up; two cores are shared
 STOP_TIMEOUT_S = 30.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
