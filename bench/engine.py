@@ -71,7 +71,7 @@ class Ours:
     name = "handoff"
 
     def __init__(self, dtype: str, num_blocks: int):
-        from common.engine.models import resolve_model_path
+        from common.engine.model_files import resolve_model_path
         from common.engine.runner import ModelRunner
         from common.engine.tokenizer import load_tokenizer
 
@@ -101,7 +101,7 @@ class HF:
         loaded here."""
         from transformers import AutoModelForCausalLM, GgufConfig
 
-        from common.engine.models import resolve_model_path
+        from common.engine.model_files import resolve_model_path
         from common.engine.runner import parse_dtype
 
         quiet_hf()
@@ -604,7 +604,7 @@ def memory_probe(who: str, dtype: str) -> None:
         for i in range(steps):
             tok = int(ours.runner.decode([DecodeItem("m", tok, prompt_len + i)]).argmax(-1))
     else:
-        from common.engine.models import resolve_model_path
+        from common.engine.model_files import resolve_model_path
         from common.engine.tokenizer import load_tokenizer
         hf = HF(dtype)
         _, ids = chat_prompt(load_tokenizer(resolve_model_path(MODEL)), prompt_len)
@@ -653,7 +653,7 @@ def load_llama_cpp(figures: list[str], threads: int, n_ctx: int) -> LlamaCpp | N
     if why is not None:
         emit_skipped("llama_cpp_peer", why, llamacpp.HOW_TO_GET, figures=figures)
         return None
-    from common.engine.models import resolve_model_path
+    from common.engine.model_files import resolve_model_path
     log(f"loading llama.cpp ({threads} threads, {n_ctx}-token context)")
     return llamacpp.LlamaCpp(resolve_model_path(MODEL), threads, n_ctx)
 

@@ -213,7 +213,7 @@ def bench_prefix(args, rounds: int) -> None:
     worker: 4 system prompts of ~1,024 tokens, each asked a new 32-token question in turn. Figures: hit
     rate (prompt tokens found in the prefill worker's cache), TTFT p50, and the KV bytes pushed when the
     decode worker already holds the prefix, against the whole prompt's."""
-    from common.engine.models import resolve_model_path
+    from common.engine.model_files import resolve_model_path
     from common.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_path(MODEL))
@@ -511,7 +511,7 @@ def bench_streams32(cluster: ClusterClient, alone: EngineAlone, prompt: tuple[st
 
 def main(argv: list[str] | None = None) -> None:
     from common.engine.tokenizer import load_tokenizer
-    from common.engine.models import resolve_model_path
+    from common.engine.model_files import resolve_model_path
 
     p = base_parser("python -m bench.token_path", __doc__, SECTIONS, threads=0,
                     threads_help="torch intra-op threads of every engine (default 0: the cluster's own "
