@@ -269,15 +269,23 @@ def write_gguf(path, **tokenizer_kv):
     return path
 
 
-def test_unknown_pre_tokenizer_warns_and_uses_gpt2_regex(tmp_path, caplog):
-    path = write_gguf(tmp_path / "tiny.gguf", model="gpt2", pre="mystery", eos_token_id=0,
-                      tokens=["<|endoftext|>", "a", "b", "Ġ", "1", "ab", "Ġa"], token_type=[3, 1, 1, 1, 1, 1, 1],
-                      merges=["a b", "Ġ a"])
+TINY_BPE = dict(model="gpt2", eos_token_id=0, tokens=["<|endoftext|>", "a", "b", "Ġ", "1", "ab", "Ġa"],
+                token_type=[3, 1, 1, 1, 1, 1, 1], merges=["a b", "Ġ a"])
+
+
+def test_default_pre_tokenizer_warns_and_uses_gpt2_regex(tmp_path, caplog):
+    path = write_gguf(tmp_path / "tiny.gguf", pre="default", **TINY_BPE)
     with caplog.at_level(logging.WARNING, logger="common.engine.tokenizer"):
         tiny = load_tokenizer(path)
-    assert "mystery" in caplog.text
+    assert "'default'" in caplog.text
     assert tiny.encode("ab a<|endoftext|>") == [5, 6, 0]
     assert tiny.bos_id is None and tiny.encode("a", add_bos=True) == [1]
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path):
+    # Splitting with some other family's regex would give the model wrong ids without a word; refuse instead.
+    with pytest.raises(TokenizerError, match="'mystery'.*not supported.*tokenizer.json"):
+        load_tokenizer(write_gguf(tmp_path / "tiny.gguf", pre="mystery", **TINY_BPE))
 
 
 def test_missing_path(tmp_path):
@@ -305,8 +313,8 @@ def test_damaged_gguf(gguf_path, tmp_path, content):
 
 
 def test_gguf_with_unsupported_tokenizer(tmp_path):
-    path = write_gguf(tmp_path / "spm.gguf", model="llama", tokens=["<unk>", "<s>", "</s>"], eos_token_id=2)
-    with pytest.raises(TokenizerError, match="'llama' is not supported.*tokenizer.model"):
+    path = write_gguf(tmp_path / "bert.gguf", model="bert", tokens=["[UNK]", "[CLS]", "[SEP]"], eos_token_id=2)
+    with pytest.raises(TokenizerError, match="'bert' is not supported.*tokenizer.model"):
         load_tokenizer(path)
 
 
