@@ -80,10 +80,10 @@ class ClusterClient:
     name = "cluster"
 
     def __init__(self, address: str):
-        from common import grpc_util
+        from common import grpc_common
         from protos import handoff_pb2_grpc
 
-        self.channel = grpc_util.channel(address, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES)
+        self.channel = grpc_common.channel(address, max_message_bytes=grpc_common.MAX_PUBLIC_MESSAGE_BYTES)
         self.stub = handoff_pb2_grpc.RouterStub(self.channel)
 
     def generate(self, text: str, max_tokens: int, request_id: str, system: str | None = None) -> Stream:

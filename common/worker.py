@@ -14,9 +14,9 @@ from typing import Callable
 import grpc
 import torch
 
-from common import cli, grpc_util, metrics, security
+from common import cli, grpc_common, metrics, security
 from common.engine.engine import Engine
-from common.grpc_util import ServiceError
+from common.grpc_common import ServiceError
 from common.engine.kv_cache import KVCache
 from common.kv_wire import ModelFingerprint
 from common.engine.model import Llama
@@ -247,22 +247,22 @@ class WorkerBase:
                         self.model.device)
         runner = ModelRunner(self.model, cache, self.config.int4_decode)
         self.engine = Engine(runner, self.tokenizer, self._engine_config()).start()
-        self.server = grpc_util.make_server(self.max_rpcs(), max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)
-        self.health = grpc_util.add_health_and_reflection(self.server, self.service_names)
+        self.server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
+        self.health = grpc_common.add_health_and_reflection(self.server, self.service_names)
         self._add_services(self.server)
-        port = grpc_util.bind(self.server, self.config.host, self.config.port, self.server_credentials,
+        port = grpc_common.bind(self.server, self.config.host, self.config.port, self.server_credentials,
                               flag="--port")
         self.config = self.config.resolved(port)
         self._start_extra()
         self.server.start()
         if self.config.health_port:
-            self.health_server = grpc_util.serve_health(self.health, self.config.host, self.config.health_port)
+            self.health_server = grpc_common.serve_health(self.health, self.config.host, self.config.health_port)
         # Readiness (the overall and per-service health) follows the registration: SERVING only while
         # routers can see this worker. Liveness ("liveness") stays SERVING while the process runs, so
         # a Redis outage never gets a busy pod restarted.
         self.registration = Registration(
             self.state, self.info, interval_s=self.config.heartbeat_s, ttl_s=self.config.heartbeat_ttl_s,
-            on_status=lambda current: grpc_util.set_serving(
+            on_status=lambda current: grpc_common.set_serving(
                 self.health, self.service_names, current and not self.draining.is_set()),
             on_beat=self._after_beat).start()
         log.info("%s worker %s listening on %s:%d (epoch %s, %s)", self.config.role, self.config.worker_id,
@@ -345,7 +345,7 @@ class WorkerBase:
         self.draining.set()
         if self.server is None:
             return
-        grpc_util.set_serving(self.health, self.service_names, False)
+        grpc_common.set_serving(self.health, self.service_names, False)
         # Leave the registry first so routers stop sending new requests here.
         self.registration.stop(deregister=True)
         deadline = time.monotonic() + timeout
@@ -402,7 +402,7 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     try:
         try:
             worker.start()
-        except grpc_util.PortInUse as exc:
+        except grpc_common.PortInUse as exc:
             raise SystemExit(f"{config.role} worker: {exc}") from None  # one line, no traceback
         stop.wait()
         log.info("%s: draining", "drain requested" if worker.drain_requested.is_set() else "signal received")

@@ -10,18 +10,18 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from common import grpc_util, metrics
+from common import grpc_common, metrics
 from common.engine.engine import EngineConfig, TokenEvent
 from common.engine.output import FinishReason
 from common.engine.sampling import SamplingParams
 from common.engine.planner import plan
-from common.grpc_util import ServiceError
+from common.grpc_common import ServiceError
 from common.kv_wire import MAX_PREFIX_BLOCKS, KVReceiver, KVTransferError
 from common.state import StateUnavailable, WorkerInfo
-from common.wire import check_request_id, check_token_ids, sampling_from_pb
+from common.pb_convert import check_request_id, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox, seq_key
-from decode_svc.session import DecodeSession, PendingEvent
+from decode_svc.router_session import DecodeSession, PendingEvent
 from protos import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -86,10 +86,10 @@ class DecodeWorker(WorkerBase):
     def _start_extra(self) -> None:
         # Decode's KV port is its own server: pushes never compete with Decode streams or health
         # probes for RPC slots, and a NetworkPolicy can open the port to prefill pods alone.
-        self.kv_server = grpc_util.make_server(self.max_rpcs(), max_message_bytes=grpc_util.MAX_INTERNAL_MESSAGE_BYTES)
+        self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
         internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self), self.kv_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)  # same status as the main port
-        self.kv_port = grpc_util.bind(self.kv_server, self.config.host, self.config.kv_port, self.server_credentials,
+        self.kv_port = grpc_common.bind(self.kv_server, self.config.host, self.config.kv_port, self.server_credentials,
                                       flag="--kv-port")
         self.kv_server.start()
 

@@ -23,8 +23,8 @@ import time
 import grpc
 import torch
 
-from common import grpc_util, metrics
-from common.grpc_util import ServiceError
+from common import grpc_common, metrics
+from common.grpc_common import ServiceError
 from common.kv_wire import encode_kv, encode_kv_segments
 from protos import internal_pb2, internal_pb2_grpc
 
@@ -40,10 +40,10 @@ def push_failed(worker_id: str, rid: str, target, exc: grpc.RpcError) -> Service
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
         return ServiceError(grpc.StatusCode.INTERNAL, message)  # what this worker sent was bad
     if code == grpc.StatusCode.DATA_LOSS:  # damaged in transit: neither worker is to blame
-        return ServiceError(code, message, grpc_util.blame("link", target.worker_id, target.epoch))
+        return ServiceError(code, message, grpc_common.blame("link", target.worker_id, target.epoch))
     if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN):
         code = grpc.StatusCode.UNAVAILABLE  # not reached in time, or no status at all (a target gRPC cannot dial)
-    return ServiceError(code, message, grpc_util.blame("decode", target.worker_id, target.epoch))
+    return ServiceError(code, message, grpc_common.blame("decode", target.worker_id, target.epoch))
 
 
 class _Push:

@@ -7,12 +7,12 @@ import time
 
 import grpc
 
-from common import grpc_util, metrics
+from common import grpc_common, metrics
 from common.engine.engine import EngineConfig
-from common.grpc_util import ServiceError
+from common.grpc_common import ServiceError
 from common.engine.output import FinishReason
 from common.state import WorkerInfo
-from common.wire import check_request_id, check_token_ids, logprobs_to_pb, sampling_from_pb
+from common.pb_convert import check_request_id, check_token_ids, logprobs_to_pb, sampling_from_pb
 from common.worker import WorkerBase
 from prefill_svc.push import StreamedPush, push_after
 from protos import internal_pb2, internal_pb2_grpc
@@ -26,7 +26,7 @@ class PrefillWorker(WorkerBase):
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
         # Channels to decode workers' KV ports; targets come with each request, pods come and go.
-        self.kv_channels = grpc_util.ChannelCache(credentials=self.channel_credentials,
+        self.kv_channels = grpc_common.ChannelCache(credentials=self.channel_credentials,
                                                   server_name=self.config.tls.server_name)
         self.stream_kv = self.config.stream_kv  # read per request: bench.token_path compares both on one worker
 

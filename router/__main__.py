@@ -3,7 +3,7 @@ import logging
 import signal
 import threading
 
-from common import cli, grpc_util, metrics
+from common import cli, grpc_common, metrics
 from common.redis_server import connect
 from common.state import StateStore
 from router.config import RouterConfig
@@ -21,7 +21,7 @@ def main(argv=None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     try:
         server = RouterServer(config, StateStore(client)).start()
-    except grpc_util.PortInUse as exc:
+    except grpc_common.PortInUse as exc:
         raise SystemExit(f"router: {exc}") from None  # one line, no traceback
     stop.wait()
     log.info("signal received: finishing in-flight streams")

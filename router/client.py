@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from common import cli, grpc_util, security
+from common import cli, grpc_common, security
 from common.security import TLSConfig
 from protos import handoff_pb2, handoff_pb2_grpc
 
@@ -46,8 +46,8 @@ def stream(target: str, request: handoff_pb2.GenerateRequest, timeout_s: float |
     credentials = None
     if tls is not None:
         credentials = security.channel_credentials(tls) if tls.enabled else grpc.ssl_channel_credentials()
-    channel = grpc_util.channel(target, credentials=credentials, server_name=tls.server_name if tls else None,
-                                max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES)
+    channel = grpc_common.channel(target, credentials=credentials, server_name=tls.server_name if tls else None,
+                                max_message_bytes=grpc_common.MAX_PUBLIC_MESSAGE_BYTES)
     stub = handoff_pb2_grpc.RouterStub(channel)
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     t0 = time.perf_counter()

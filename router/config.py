@@ -54,7 +54,7 @@ class RouterConfig:
     blocking_threads: int = 8  # the fixed pool that runs Redis calls and tokenization off the event loop
     drain_timeout_s: float = 25.0  # on SIGTERM, how long in-flight streams may take to finish
     health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
-    # The OpenAI-compatible HTTP API (router/http_server.py): 0 = a free port, -1 = off. Off in the
+    # The OpenAI-compatible HTTP API (router/http_front.py): 0 = a free port, -1 = off. Off in the
     # dataclass (a library default); `python -m router` serves it on 8000, router.cluster too.
     http_port: int = -1
     max_body_bytes: int = 4 << 20  # largest HTTP request body; more is 413 (the gRPC port's message limit)

@@ -17,7 +17,7 @@ import grpc
 
 from common import metrics
 from common.engine.prefix import PrefixHasher
-from common.grpc_util import ServiceError
+from common.grpc_common import ServiceError
 from common.state import StateStore, WorkerInfo
 from router.blocking import BlockingPool
 

@@ -3,7 +3,7 @@ HTTP API, on one asyncio event loop.
 
 Threads: the loop runs on one thread of its own ("router-loop") and holds every stream of both ports:
 gRPC is served by grpc.aio, HTTP by uvicorn as a task on the same loop, and every request is a
-coroutine there (router/service.py), as is each decode session's reader (router/sessions.py), so a
+coroutine there (router/generate.py), as is each decode session's reader (router/decode_sessions.py), so a
 stream in flight, waiting for tokens or queued for KV, costs no thread. Besides the loop the router
 has a few threads whatever its load: the blocking pool (`blocking_threads`) for Redis calls and
 tokenization, the lease keeper and the heartbeat. `start()` and `stop()` may be called from any
@@ -16,15 +16,15 @@ import logging
 import threading
 import uuid
 
-from common import grpc_aio, grpc_util, security
+from common import grpc_aio_server, grpc_common, security
 from common.engine.model_files import resolve_model_path
 from common.state import StateStore, StateUnavailable
 from common.engine.tokenizer import load_tokenizer
 from common.engine.weights import read_model_config, weights_id_of
 from protos import handoff_pb2_grpc
 from router.config import RouterConfig
-from router.http_server import HTTPServer
-from router.service import Router, RouterServicer
+from router.http_front import HTTPServer
+from router.generate import Router, RouterServicer
 
 log = logging.getLogger(__name__)
 
@@ -80,18 +80,18 @@ class RouterServer:
         keys = security.APIKeys(cfg.api_keys)
         if keys.enabled and credentials is None:
             log.warning("API keys are on but TLS is off: keys cross the network in plaintext")
-        self.server = grpc_aio.make_server(
-            cfg.max_streams, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES,
+        self.server = grpc_aio_server.make_server(
+            cfg.max_streams, max_message_bytes=grpc_common.MAX_PUBLIC_MESSAGE_BYTES,
             interceptors=(security.APIKeyInterceptor(keys),) if keys.enabled else ())
-        self.health = await grpc_aio.add_health_and_reflection(self.server, SERVICE_NAMES)
+        self.health = await grpc_aio_server.add_health_and_reflection(self.server, SERVICE_NAMES)
         handoff_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.router), self.server)
-        self.port = grpc_util.bind(self.server, cfg.host, cfg.port, credentials, flag="--port")
+        self.port = grpc_common.bind(self.server, cfg.host, cfg.port, credentials, flag="--port")
         await self.server.start()
         if cfg.http_port >= 0:
             self.http = await HTTPServer(self.router, keys, is_ready=self._serving.is_set).start()
             self.http_port = self.http.port
         if cfg.health_port:
-            self.health_server = await grpc_aio.serve_health(self.health, cfg.host, cfg.health_port)
+            self.health_server = await grpc_aio_server.serve_health(self.health, cfg.host, cfg.health_port)
         self._ready = asyncio.create_task(self._become_ready())
         return credentials, keys
 
@@ -104,7 +104,7 @@ class RouterServer:
             except StateUnavailable as exc:
                 log.warning("waiting for Redis: %s", exc)
                 await asyncio.sleep(0.5)
-        await grpc_aio.set_serving(self.health, SERVICE_NAMES, True)
+        await grpc_aio_server.set_serving(self.health, SERVICE_NAMES, True)
         self._serving.set()
 
     def _beat(self) -> None:
@@ -138,7 +138,7 @@ class RouterServer:
     async def _drain(self, grace_s: float) -> None:
         self._ready.cancel()
         self._serving.clear()
-        await grpc_aio.set_serving(self.health, SERVICE_NAMES, False)
+        await grpc_aio_server.set_serving(self.health, SERVICE_NAMES, False)
         # Both ports drain at once.
         await asyncio.gather(self.server.stop(grace_s), *([self.http.stop(grace_s)] if self.http else []))
         if self.health_server is not None:

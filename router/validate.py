@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from common.engine.config import ModelConfig
 from common.engine.sampling import MAX_SEED, SamplingParams, derive_seed
 from common.engine.tokenizer import Tokenizer, TokenizerError
-from common.wire import check_token_ids
+from common.pb_convert import check_token_ids
 from protos import handoff_pb2
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

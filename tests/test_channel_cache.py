@@ -1,4 +1,4 @@
-"""grpc_util.ChannelCache: one channel per (address, epoch), so that a worker restarted at the same address
+"""grpc_common.ChannelCache: one channel per (address, epoch), so that a worker restarted at the same address
 is reached at once, not after the dead process's channel has waited out its reconnect backoff."""
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import grpc_util
+from common import grpc_common
 from common.ports import free_port
 
 
 def _health_server(port: int) -> grpc.Server:
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return grpc_util.serve_health(servicer, "127.0.0.1", port)
+    return grpc_common.serve_health(servicer, "127.0.0.1", port)
 
 
 def _check(ch: grpc.Channel) -> int:
@@ -23,7 +23,7 @@ def _check(ch: grpc.Channel) -> int:
 def test_a_peer_restarted_at_the_same_address_is_reached_through_a_fresh_channel():
     port = free_port()
     address = f"127.0.0.1:{port}"
-    cache = grpc_util.ChannelCache()
+    cache = grpc_common.ChannelCache()
     first = _health_server(port)
     try:
         with cache.use(address, "epoch-1") as ch:

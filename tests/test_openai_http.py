@@ -18,7 +18,7 @@ from common.engine.sampling import MAX_SEED
 from common.redis_server import EmbeddedRedis, connect
 from common.state import RequestState, StateStore
 from protos import handoff_pb2, handoff_pb2_grpc
-from router import openai_api
+from router import openai_schema
 from router.cluster import Cluster
 from tests.conftest import wait_idle
 from router.config import RouterConfig
@@ -378,22 +378,22 @@ def test_parse_maps_openai_parameters_onto_generate_request():
             "max_tokens": 5, "max_completion_tokens": 7, "stop": "END", "top_k": -1, "min_p": 0.1, "seed": 3,
             "logprobs": True, "top_logprobs": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True},
             "user": "u-1", "ignore_eos": True, "unknown_extra": {"ignored": True}}
-    parsed = openai_api.parse_request(body, chat=True, model_id="m")
+    parsed = openai_schema.parse_request(body, chat=True, model_id="m")
     r = parsed.request
     assert [(m.role, m.content) for m in r.messages] == [("system", "a\nb"), ("user", "hi")]
     assert r.max_tokens == 7 and list(r.stop) == ["END"] and r.top_k == 0 and r.HasField("top_k")
     assert r.seed == 3 and r.logprobs and r.top_logprobs == 4 and r.ignore_eos and not r.HasField("temperature")
     assert parsed.n == 2 and parsed.stream and parsed.include_usage and parsed.logprobs
-    completion = openai_api.parse_request({"prompt": [[1, 2, 3]], "logprobs": 0}, chat=False, model_id="m")
+    completion = openai_schema.parse_request({"prompt": [[1, 2, 3]], "logprobs": 0}, chat=False, model_id="m")
     assert list(completion.request.prompt_token_ids) == [1, 2, 3] and completion.request.top_logprobs == 0
     assert completion.logprobs and not completion.request.prompt
 
 
 def test_validation_messages_name_openai_parameters():
-    assert openai_api.param_named_in("max_tokens (300) plus the prompt ...") == "max_tokens"
-    assert openai_api.param_named_in("stop[2] must be 1..256 characters long") == "stop[2]"
-    assert openai_api.param_named_in("prompt_token_ids holds token id 9") == "prompt"
-    assert openai_api.param_named_in("request_id must be ...") is None
-    assert openai_api.param_named_in("the KV pool ...") is None
-    error = openai_api.APIError.from_status(grpc.StatusCode.UNAVAILABLE, "down")
+    assert openai_schema.param_named_in("max_tokens (300) plus the prompt ...") == "max_tokens"
+    assert openai_schema.param_named_in("stop[2] must be 1..256 characters long") == "stop[2]"
+    assert openai_schema.param_named_in("prompt_token_ids holds token id 9") == "prompt"
+    assert openai_schema.param_named_in("request_id must be ...") is None
+    assert openai_schema.param_named_in("the KV pool ...") is None
+    error = openai_schema.APIError.from_status(grpc.StatusCode.UNAVAILABLE, "down")
     assert error.status == 503 and json.loads(json.dumps(error.body()))["error"]["type"] == "server_error"

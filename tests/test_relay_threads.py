@@ -193,7 +193,7 @@ def test_a_write_to_a_closed_stream_ends_the_request_cancelled(cluster):
     over) or the call finished just before it: `_ServerStoppedError`, `UsageError`. The request then ends
     cancelled, not failed, with its KV and lease freed, and the handler returns quietly. (The test above
     met this race once, in a CI run: the stopped server's write raised, and the record said failed.)"""
-    from router.service import GenerateCall
+    from router.generate import GenerateCall
     rs = cluster.router
     rid = f"closed-{time.monotonic_ns()}"
     written: list = []

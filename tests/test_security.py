@@ -21,7 +21,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY, generate_latest
 
-from common import grpc_util, security
+from common import grpc_common, security
 from common.ports import free_port
 from common.redis_server import EmbeddedRedis, connect
 from common.security import APIKeys, TLSConfig, TLSError
@@ -270,7 +270,7 @@ def tls_channel(address: str, pki: PKI, *, cert: Path | None = None, key: Path |
                 ca: Path | None = None) -> grpc.Channel:
     tls = TLSConfig(cert=str(cert) if cert else None, key=str(key) if key else None, ca=str(ca or pki.ca),
                     server_name=SERVER_NAME)
-    return grpc_util.channel(address, credentials=security.channel_credentials(tls), server_name=SERVER_NAME)
+    return grpc_common.channel(address, credentials=security.channel_credentials(tls), server_name=SERVER_NAME)
 
 
 def health_status(channel: grpc.Channel) -> str:

@@ -17,10 +17,10 @@ import pytest
 from common import metrics
 from common.engine.output import OutputProcessor
 from common.engine.sampling import SamplingParams
-from common.wire import sampling_to_pb
+from common.pb_convert import sampling_to_pb
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.cluster import Cluster
-from router.sessions import get_before
+from router.decode_sessions import get_before
 from tests.conftest import wait_idle
 
 

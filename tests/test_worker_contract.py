@@ -18,10 +18,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import grpc_util
+from common import grpc_common
 from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
-from common.wire import sampling_to_pb
+from common.pb_convert import sampling_to_pb
 from common.engine.sampling import SamplingParams
 from decode_svc.worker import DecodeWorker
 from protos import internal_pb2, internal_pb2_grpc
@@ -198,7 +198,7 @@ def test_a_failed_push_is_charged_to_the_decode_worker(cluster, fault, prompt):
         prefill(cluster, f"blame-{time.monotonic_ns()}", prompt=LONG if prompt == "streamed" else PROMPT, **kw)
     code = err.value.code()
     assert code == (grpc.StatusCode.UNAVAILABLE if fault == "dead address" else grpc.StatusCode.FAILED_PRECONDITION)
-    role, worker_id, epoch = grpc_util.blamed(err.value)
+    role, worker_id, epoch = grpc_common.blamed(err.value)
     assert (role, worker_id) == ("decode", d.config.worker_id)
     assert epoch == kw.get("epoch", d.epoch)
     assert d.engine.num_parked == 0
@@ -225,7 +225,7 @@ def test_pushes_and_health_have_room_while_decode_streams_fill_the_pool(cluster)
             assert time.monotonic() < deadline, f"only {d.num_inflight} of {n} Decode streams running"
             time.sleep(0.05)
         assert health(d.address) == health_pb2.HealthCheckResponse.SERVING
-        assert health(d.address, grpc_util.LIVENESS) == health_pb2.HealthCheckResponse.SERVING
+        assert health(d.address, grpc_common.LIVENESS) == health_pb2.HealthCheckResponse.SERVING
         # One more Decode without a lease is refused at once, not queued.
         with pytest.raises(grpc.RpcError) as err:
             list(internal_pb2_grpc.DecodeWorkerStub(ch).Decode(internal_pb2.DecodeRequest(
@@ -273,7 +273,7 @@ def test_the_heartbeat_outlives_redis_refusing_commands_and_health_follows(clust
             while health(worker.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
                 assert time.monotonic() < deadline, "health stayed SERVING with the registration lapsed"
                 time.sleep(0.1)
-            assert health(worker.address, grpc_util.LIVENESS) == health_pb2.HealthCheckResponse.SERVING
+            assert health(worker.address, grpc_common.LIVENESS) == health_pb2.HealthCheckResponse.SERVING
             assert worker.registration._thread.is_alive(), "the heartbeat thread died on a refused command"
             client.config_set("maxmemory", "0")
             deadline = time.monotonic() + 10

@@ -56,10 +56,10 @@ class LoadGen:
     """Sends planned requests to one router, each on its own thread, and collects their Results."""
 
     def __init__(self, address: str, tag: str):
-        from common import grpc_util
+        from common import grpc_common
         from protos import handoff_pb2_grpc
 
-        self.channel = grpc_util.channel(address, max_message_bytes=grpc_util.MAX_PUBLIC_MESSAGE_BYTES)
+        self.channel = grpc_common.channel(address, max_message_bytes=grpc_common.MAX_PUBLIC_MESSAGE_BYTES)
         self.stub = handoff_pb2_grpc.RouterStub(self.channel)
         self.tag, self._n = tag, 0
         self._calls: list = []

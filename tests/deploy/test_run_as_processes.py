@@ -168,7 +168,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
     """Start router, prefill and decode as the rendered Deployments describe them, wait for their
     probes, send one Generate through the router (over `client_tls`, with `api_key`), check the
     autoscalers' metrics, then SIGTERM them all and check that they drain in time."""
-    from common import grpc_util, security
+    from common import grpc_common, security
     from common.redis_server import EmbeddedRedis, connect
     from common.state import StateStore
     from protos import handoff_pb2, handoff_pb2_grpc
@@ -210,7 +210,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
     def channel(port: int) -> grpc.Channel:
         """As a client of the router, or as the prefill worker it is not (for the KV port)."""
         credentials = security.channel_credentials(client_tls) if client_tls else None
-        return grpc_util.channel(f"127.0.0.1:{port}", credentials=credentials,
+        return grpc_common.channel(f"127.0.0.1:{port}", credentials=credentials,
                                  server_name=client_tls.server_name if client_tls else None)
 
     resolver = Resolver(objs, rewrite=rewrite)

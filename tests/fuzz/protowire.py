@@ -33,16 +33,16 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from common import grpc_util
+from common import grpc_common
 from common.engine.output import OutputProcessor
 from common.kv_wire import LAYOUT
-from common.wire import sampling_from_pb
+from common.pb_convert import sampling_from_pb
 from protos import handoff_pb2, internal_pb2
 
 MAX_SEED = 2**63 - 1
 
 
-MAX_PUBLIC_MESSAGE_BYTES = 4 << 20  # the router's receive limit (common.grpc_util)
+MAX_PUBLIC_MESSAGE_BYTES = 4 << 20  # the router's receive limit (common.grpc_common)
 
 
 MAX_INTERNAL_MESSAGE_BYTES = 8 << 20  # the workers' receive limit
@@ -480,7 +480,7 @@ def call_stream(method, request, timeout: float, on_message=None) -> Outcome:
         return Outcome("OK", "", responses, time.monotonic() - t0)
     except grpc.RpcError as exc:
         return Outcome(exc.code().name, exc.details() or "", responses, time.monotonic() - t0,
-                       grpc_util.blamed(exc))
+                       grpc_common.blamed(exc))
 
 
 def call_unary(method, request, timeout: float) -> Outcome:
@@ -488,7 +488,7 @@ def call_unary(method, request, timeout: float) -> Outcome:
     try:
         return Outcome("OK", "", [method(request, timeout=timeout)], time.monotonic() - t0)
     except grpc.RpcError as exc:
-        return Outcome(exc.code().name, exc.details() or "", [], time.monotonic() - t0, grpc_util.blamed(exc))
+        return Outcome(exc.code().name, exc.details() or "", [], time.monotonic() - t0, grpc_common.blamed(exc))
 
 
 def judge(out: Outcome, verdict: Verdict, allowed: set[str], raw: bytes, timeout: float = CALL_TIMEOUT_S,

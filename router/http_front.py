@@ -3,7 +3,7 @@
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events with "stream": true)
     GET  /v1/models, GET /health, GET /metrics
 
-A request is parsed (router/openai_api.py), validated by the router's RequestValidator and served by one
+A request is parsed (router/openai_schema.py), validated by the router's RequestValidator and served by one
 GenerateCall per choice, exactly as Generate serves a gRPC call: records in Redis, leases, failover,
 deadlines. The HTTP client going away cancels it like a cancelled gRPC call.
 
@@ -36,11 +36,11 @@ from starlette.routing import Route
 
 from common import metrics, security
 from common.engine.sampling import MAX_SEED, derive_seed
-from common.grpc_util import PortInUse, ServiceError
+from common.grpc_common import PortInUse, ServiceError
 from protos import handoff_pb2
-from router import openai_api
-from router.openai_api import APIError, ParsedRequest, ResponseBuilder
-from router.service import GenerateCall, Router
+from router import openai_schema
+from router.openai_schema import APIError, ParsedRequest, ResponseBuilder
+from router.generate import GenerateCall, Router
 from router.validate import ValidRequest
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class OpenAIApp:
         self.slots = _Slots(cfg.max_streams)
         self.created = int(time.time())
         self.fingerprint = f"fp_{router.weights_id[:16]}"
-        self.token_text = openai_api.TokenText(router.tokenizer)
+        self.token_text = openai_schema.TokenText(router.tokenizer)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -151,7 +151,7 @@ class OpenAIApp:
             self._authenticate(request)
         except APIError as exc:
             return self._error(request, exc)
-        body = openai_api.models_list(self.model_id, self.created, self.router.model_config.max_position)
+        body = openai_schema.models_list(self.model_id, self.created, self.router.model_config.max_position)
         return self._respond(request, JSONResponse(body))
 
     async def health(self, request: Request) -> Response:
@@ -173,7 +173,7 @@ class OpenAIApp:
         try:
             self._authenticate(request)
             body = await self._json_body(request)
-            parsed = openai_api.parse_request(body, chat=chat, model_id=self.model_id)
+            parsed = openai_schema.parse_request(body, chat=chat, model_id=self.model_id)
             # The whole request's deadline from its arrival, as a gRPC deadline bounds a Generate call.
             timeout_s = min(_timeout_s(request) or math.inf, self.router.config.max_request_s)
             deadline = time.monotonic() + timeout_s
@@ -210,7 +210,7 @@ class OpenAIApp:
         """Validate (on the blocking pool: chat templates and tokenization are CPU work) and start every choice."""
         n = parsed.n
         if n > 1 and len(request_id) + 1 + len(str(n - 1)) > 128:
-            raise openai_api.bad_param(None, f"{REQUEST_ID_HEADER} is too long to name {n} choices")
+            raise openai_schema.bad_param(None, f"{REQUEST_ID_HEADER} is too long to name {n} choices")
         if not self.slots.take(n):
             raise APIError(429, f"this router is serving {self.slots.total} generations already; retry shortly",
                            headers={"Retry-After": "1"})
@@ -329,7 +329,7 @@ class OpenAIApp:
         try:
             return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:
-            raise openai_api.bad_param(None, f"the request body is not valid JSON: {exc}") from None
+            raise openai_schema.bad_param(None, f"the request body is not valid JSON: {exc}") from None
 
     def _error(self, request: Request, exc: APIError) -> Response:
         if exc.status >= 500 and exc.status != CLIENT_GONE:
@@ -369,7 +369,7 @@ def _timeout_s(request: Request) -> float | None:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise openai_api.bad_param(None, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, "
+        raise openai_schema.bad_param(None, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, "
                                          f"got {raw!r}")
     return value
 

@@ -1,7 +1,7 @@
 """The router's Generate: reserve decode KV, prefill, relay tokens; fail over while the retry budget lasts.
 
 A request is a coroutine on the router's event loop (router/server.py), not a thread: it awaits the
-prefill worker's stream (grpc.aio), the decode session's events (router/sessions.py) and, on the
+prefill worker's stream (grpc.aio), the decode session's events (router/decode_sessions.py) and, on the
 fixed blocking pool, Redis. The client going away cancels its task; the cancellation reaches
 whatever it awaits, and its cleanup still records the end, frees the KV and releases the lease.
 """
@@ -15,18 +15,18 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from common import grpc_util, metrics, security
-from common.grpc_util import ServiceError
+from common import grpc_common, metrics, security
+from common.grpc_common import ServiceError
 from common.engine.output import FinishReason, OutputProcessor
 from common.state import RequestState, StateStore, StateUnavailable, WorkerInfo
 from common.engine.tokenizer import Tokenizer
-from common.wire import FINISH_TO_PB, sampling_to_pb
+from common.pb_convert import FINISH_TO_PB, sampling_to_pb
 from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2, internal_pb2_grpc
 from router.blocking import BlockingPool, to_the_end
 from router.config import RouterConfig
 from router.leases import LeaseKeeper
 from router.picker import Excluded, Lease, WorkerPicker
-from router.sessions import DecodeSessions
+from router.decode_sessions import DecodeSessions
 from router.validate import RequestValidator, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Router:
                                    routing=config.routing, cache_balance=config.cache_balance)
         self.leases = LeaseKeeper(state, config.lease_ttl_s)
         # The router's own certificate is its client certificate towards the workers (mutual TLS).
-        self.channels = grpc_util.AioChannelCache(credentials=security.channel_credentials(config.tls),
+        self.channels = grpc_common.AioChannelCache(credentials=security.channel_credentials(config.tls),
                                                   server_name=config.tls.server_name)
         # Decode streams: one DecodeSession per decode worker carries all of this router's requests there.
         self.sessions = DecodeSessions(credentials=security.channel_credentials(config.tls),
@@ -451,7 +451,7 @@ class GenerateCall:
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"request {self.rid} ran past its deadline after {len(self.generated)} "
                                    f"tokens ({worker.role} worker {worker.worker_id})") from exc
-            role, worker_id, epoch = grpc_util.blamed(exc) or (worker.role, worker.worker_id, worker.epoch)
+            role, worker_id, epoch = grpc_common.blamed(exc) or (worker.role, worker.worker_id, worker.epoch)
             if code in _RETRYABLE:
                 raise _AttemptFailed(role, worker_id, epoch, f"{code.name}: {exc.details()}") from exc
             raise ServiceError(code, f"{role} worker {worker_id}: {exc.details()}") from exc

@@ -19,8 +19,8 @@ import grpc
 from common import metrics
 from common.engine.engine import TokenEvent
 from common.engine.output import FinishReason
-from common.grpc_util import ServiceError
-from common.wire import FINISH_TO_PB, logprobs_to_pb
+from common.grpc_common import ServiceError
+from common.pb_convert import FINISH_TO_PB, logprobs_to_pb
 from decode_svc.inbox import seq_key
 from protos import internal_pb2
 

@@ -1,8 +1,8 @@
-"""The asyncio (grpc.aio) counterparts of grpc_util's server helpers, for a server whose handlers are
+"""The asyncio (grpc.aio) counterparts of grpc_common's server helpers, for a server whose handlers are
 coroutines on one event loop (the router's): the error interceptor, health and reflection, the
 plaintext health port.
 
-Every function here runs on that event loop. The statuses and messages are grpc_util's: a client
+Every function here runs on that event loop. The statuses and messages are grpc_common's: a client
 cannot tell an aio server from a threaded one.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import grpc
 from grpc_health.v1 import _async as health_aio, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import grpc_util
-from common.grpc_util import KEEPALIVE_OPTIONS, LIVENESS, ServiceError, lenient, parsed, reported
+from common import grpc_common
+from common.grpc_common import KEEPALIVE_OPTIONS, LIVENESS, ServiceError, lenient, parsed, reported
 
 HealthServicer = health_aio.HealthServicer
 
@@ -56,7 +56,7 @@ def _guard(behavior, parse, method: str):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """grpc_util.ErrorInterceptor for coroutine handlers: any exception a handler raises becomes a gRPC
+    """grpc_common.ErrorInterceptor for coroutine handlers: any exception a handler raises becomes a gRPC
     status with a readable message, and a request that does not parse INVALID_ARGUMENT."""
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -88,7 +88,7 @@ def make_server(max_rpcs: int, *, max_message_bytes: int,
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> HealthServicer:
-    """grpc_util.add_health_and_reflection for an aio server: grpc.health.v1 (NOT_SERVING until the caller
+    """grpc_common.add_health_and_reflection for an aio server: grpc.health.v1 (NOT_SERVING until the caller
     says ready, `liveness` SERVING) and server reflection."""
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -108,10 +108,10 @@ async def set_serving(health_servicer: HealthServicer, service_names: list[str],
 
 
 async def serve_health(health_servicer: HealthServicer, host: str, port: int) -> grpc.aio.Server:
-    """grpc_util.serve_health on the event loop: a plaintext server with only grpc.health.v1 (the same
+    """grpc_common.serve_health on the event loop: a plaintext server with only grpc.health.v1 (the same
     servicer, so the same status), for the kubelet's probe, which cannot speak TLS."""
     server = grpc.aio.server(maximum_concurrent_rpcs=8, options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    grpc_util.bind(server, host, port, flag="--health-port")
+    grpc_common.bind(server, host, port, flag="--health-port")
     await server.start()
     return server

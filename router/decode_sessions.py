@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from common import grpc_util
+from common import grpc_common
 from common.state import WorkerInfo
 from protos import internal_pb2, internal_pb2_grpc
 
@@ -192,7 +192,7 @@ class DecodeSessions:
                 s.reader.add_done_callback(self._closing.discard)
         session = self._sessions.get(key)
         if session is None:
-            channel = grpc_util.channel(worker.address, credentials=self._credentials,
+            channel = grpc_common.channel(worker.address, credentials=self._credentials,
                                         server_name=self._server_name, aio=True)
             session = self._sessions[key] = Session(channel, worker)
         return session
