@@ -22,33 +22,20 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from common.engine.config import EngineConfig
 from common.engine.output import FinishReason, OutputProcessor
 from common.engine.prefix import PrefixHasher
 from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
 from common.engine.sampling import Sampler, SamplingParams, TokenLogprobs, derive_seed, token_logprobs
+from common.engine.sequence import Sequence, TokenEvent
 from common.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenEvent:
-    """What a sequence streams: new tokens and text; the last event carries finish_reason."""
-
-    seq_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    kv: torch.Tensor | None = None  # prefill_only: the prompt's K/V, [layers, 2, tokens, Hkv, D]
-    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when params.logprobs asks
-    block_hashes: list[bytes] | None = None  # prefill_only: prefix hashes of the prompt's full-chunk blocks
-    cached_tokens: int = 0  # prefill_only: prompt tokens whose K/V the prefix cache held
 
 
 @dataclass(frozen=True)
@@ -61,55 +48,6 @@ class ParkRefused:
 
     def __str__(self) -> str:
         return self.message
-
-
-@dataclass
-class Sequence:
-    seq_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    sink: Callable[[TokenEvent], None]
-    output: OutputProcessor | None
-    output_ids: list[int] = field(default_factory=list)
-    kv: torch.Tensor | None = None  # K/V of the prompt handed in with submit(), not yet placed
-    parked: bool = False  # its prompt's K/V is already in the pool (park()), under seq_id
-    num_computed: int = 0  # tokens whose K/V is in the cache
-    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full-chunk blocks
-    num_registered: int = 0  # of those, blocks already named in the pool (their chunk is computed)
-    num_cached: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
-    passed_over: int = 0  # prefill_only: chunks of other prompts run in a row while this one waited
-    arrival_s: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
-    # prefill_only: called (start, end, K/V of positions start .. end-1) as the prompt's K/V is ready: a
-    # prefix-cache hit at admission, each computed chunk, the last one after the first token is sampled
-    # and only if it does not end the request; the last event then carries no kv.
-    kv_sink: Callable[[int, int, torch.Tensor], None] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_prefill_tokens: int = 2048  # token budget of one prefill batch
-    max_running: int = 64  # sequences in the decode batch
-    prefill_only: bool = False
-    # Rows of replayed tokens (a resumed sequence recomputing its completion's K/V) per decode step,
-    # on top of one row per running sequence: bounds how much one resume slows everyone's step.
-    max_replay_rows: int = 64
-    # Prompts are prefilled in chunks of this many tokens, at fixed positions (chunk k covers tokens
-    # k*C .. (k+1)*C - 1), and full chunks' K/V is kept for prompts that share the prefix.
-    prefill_chunk_tokens: int = 256
-    prefix_caching: bool = True
-    # Detokenize every token (TokenEvent.text). Off, a sequence is detokenized only when it has stop
-    # strings to match: a decode worker's caller (the router) detokenizes the stream once itself.
-    detokenize: bool = True
 
 
 class Engine:
