@@ -284,7 +284,7 @@ def test_preemption_recomputes_same_tokens(make_engine, prompts, alone, caplog):
 
 
 def test_preemption_evicts_the_newest(make_engine, prompts, caplog):
-    """engine.py says "preempt the newest on shortage": the sequence admitted last loses its K/V, so
+    """scheduler.py says "preempt the newest on shortage": the sequence admitted last loses its K/V, so
     the oldest (with the most tokens to recompute) keeps going."""
     need = {n: -(-(len(ids) + N) // BLOCK) for n, ids in prompts.items()}
     engine = make_engine(num_blocks=max(need.values()) + 4, block_size=BLOCK)
@@ -348,7 +348,7 @@ def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, int4_decod
         assert together[name].token_ids == solo[name], name
 
 
-# --------------------------------------------------------------------------- invariant 4 in the serving dtype
+# ------------------------------ invariant 4 (same prompt, parameters and seed give the same tokens), serving dtype
 # What a worker runs by default: packed int4 decode over bf16 (hosts with native bf16) or fp32 (the
 # others; `--dtype auto`); dense fp32 decode is the extra case.
 
@@ -460,14 +460,15 @@ def test_a_prefill_worker_runs_the_shortest_prompt_next_and_never_starves_a_long
     for name in ("s1", "s2", "s3"):
         engine.submit(name, short_ids, GREEDY, sinks.sink(name))
     order = []  # what each step ran: a short prompt (its first token), or a chunk of the long one
+    seqs = engine.scheduler.seqs  # the engine's live sequences, by id
     for _ in range(20):
         if all(c.done for c in sinks.values()):
             break
         before = {name: c.done for name, c in sinks.items()}
-        long_computed = engine._seqs["long"].num_computed if "long" in engine._seqs else None
+        long_computed = seqs["long"].num_computed if "long" in seqs else None
         engine.step()
         order += [name for name, c in sinks.items() if c.done and not before[name] and name != "long"]
-        if "long" in engine._seqs and engine._seqs["long"].num_computed != long_computed or sinks["long"].done \
+        if "long" in seqs and seqs["long"].num_computed != long_computed or sinks["long"].done \
                 and not before["long"]:
             order.append("long")
     assert order[:4] == ["s1", "s2", "long", "s3"], order  # s1 and s2 first; then the long one, overdue

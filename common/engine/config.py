@@ -1,4 +1,5 @@
-"""The model's shape, read from a checkpoint's metadata (nothing about one model is hard-coded).
+"""Configs: the model's shape, read from a checkpoint's metadata (nothing about one model is hard-coded),
+and the engine's batching and caching knobs (EngineConfig).
 
 `ModelConfig` holds one model's numbers; what a family changes in the shared decoder layer (biases,
 norms, the MLP's activation, ...) is its `Family` (common/engine/families.py), named by `family`.
@@ -159,3 +160,20 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_prefill_tokens: int = 2048  # token budget of one prefill batch
+    max_running: int = 64  # sequences in the decode batch
+    prefill_only: bool = False
+    # Rows of replayed tokens (a resumed sequence recomputing its completion's K/V) per decode step,
+    # on top of one row per running sequence: bounds how much one resume slows everyone's step.
+    max_replay_rows: int = 64
+    # Prompts are prefilled in chunks of this many tokens, at fixed positions (chunk k covers tokens
+    # k*C .. (k+1)*C - 1), and full chunks' K/V is kept for prompts that share the prefix.
+    prefill_chunk_tokens: int = 256
+    prefix_caching: bool = True
+    # Detokenize every token (TokenEvent.text). Off, a sequence is detokenized only when it has stop
+    # strings to match: a decode worker's caller (the router) detokenizes the stream once itself.
+    detokenize: bool = True
