@@ -56,7 +56,7 @@
 #endif
 #endif
 
-#include "decode_bf16.h"
+#include "bf16.h"
 
 #define GROUP 32
 #define QUAD 4

@@ -33,7 +33,7 @@
 #define ATTENTION_AVX2 1
 #endif
 
-#include "decode_bf16.h"
+#include "bf16.h"
 
 #define LANES 16
 #define MAX_GROUP 16

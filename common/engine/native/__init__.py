@@ -39,10 +39,11 @@ from common.engine.pages import WeightArena
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_kernels.c")
-MATMUL_SOURCE = Path(__file__).with_name("decode_matmul.c")
-LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")
-LOGITS_SOURCE = Path(__file__).with_name("decode_logits.c")
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "attention.c"
+MATMUL_SOURCE = CSRC / "matmul.c"
+LAYERS_SOURCE = CSRC / "layers.c"
+LOGITS_SOURCE = CSRC / "logits.c"
 # No -ffast-math: the kernel's sums must keep the order the source gives them (invariant 4).
 # -fno-trapping-math (one part of it, which changes no value: FP exceptions are never read here) lets GCC
 # turn a select into a blend, so that attention's softmax loop (exp_nonpositive's two selects) vectorizes:
@@ -188,7 +189,7 @@ def cache_dir() -> Path:
     return Path(base) / "handoff" / "native"
 
 
-HEADERS = [Path(__file__).with_name("decode_bf16.h")]  # included by the sources, part of the build key
+HEADERS = [CSRC / "bf16.h"]  # included by the sources, part of the build key
 
 
 def _build_key(compiler: str) -> str:
