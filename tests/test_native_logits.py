@@ -1,4 +1,4 @@
-"""decode_logits.c through native.py: the int8 head's top-k refinement and greedy's argmax.
+"""logits.c (common/engine/native/csrc) through bindings.py: the int8 head's top-k refinement and greedy's argmax.
 
 Against plain references (a sort by the documented order, float64 dot products, torch's max), for what
 invariant 4 needs of them (a row's result never depends on the other rows), and alike in the host's build,

@@ -1,4 +1,4 @@
-/* The decode step's logits after the LM head (common/engine/native.py, Llama.decode_logits, Sampler):
+/* The decode step's logits after the LM head (common/engine/native, Llama.decode_logits, Sampler):
  *
  *   refine_top: the int8 head's logits are approximate; each row's k best are recomputed exactly in fp32
  *               from the fp32 head and the row's hidden state (what torch's topk + gather + product + sum +
@@ -20,7 +20,7 @@
 #define LOGITS_AVX2 1
 #endif
 
-#define REFINE_MAX 1024 /* the largest k refine_top takes */
+#include "handoff_native.h"
 
 typedef struct {
     int32_t key; /* order_key of the logit */
@@ -108,7 +108,8 @@ static float dot8(const float *a, const float *b, int64_t dim) {
  * hidden [rows, dim] and head [vocab, dim] fp32 contiguous. Returns 0, or -EINVAL. */
 int refine_top(float *logits, int64_t rows, int64_t vocab, const float *hidden, const float *head, int64_t dim,
                int64_t k, int64_t threads) {
-    if (rows < 0 || vocab <= 0 || vocab > INT32_MAX || k <= 0 || k > vocab || k > REFINE_MAX || dim <= 0 || dim % 8)
+    if (rows < 0 || vocab <= 0 || vocab > INT32_MAX || k <= 0 || k > vocab || k > REFINE_MAX || dim <= 0
+        || dim % REFINE_LANES)
         return -EINVAL;
 #pragma omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
