@@ -5,11 +5,11 @@ and the logits after the head (top-k refinement, argmax).
 
 Built on first use with the system's C compiler (`cc`, or $CC) for this CPU (-march=native), every
 csrc/*.c into one shared object, kept in a cache folder keyed by the sources, the flags and the CPU's
-feature flags (build.py). Plain C through ctypes (bindings.py): no torch headers, so the build takes
-about a second, and ctypes releases the GIL for the call, so two threads can each take half of a large
-batch. The numbers both sides must agree on (the packed layouts, packing.py) live in
-csrc/handoff_native.h, which Python reads (header.py). Which kernel multiplies the packed weights is
-choice.py's: by the CPU, or as HANDOFF_NATIVE_MATMUL says.
+feature flags (build.py). Plain C through ctypes (bindings.py): no torch headers, so the build is quick
+(docs/benchmarks.md, "Figures behind the code": The library's build time), and ctypes releases the GIL for
+the call, so two threads can each take half of a large batch. The numbers both sides must agree on (the
+packed layouts, packing.py) live in csrc/handoff_native.h, which Python reads (header.py). Which kernel
+multiplies the packed weights is choice.py's: by the CPU, or as HANDOFF_NATIVE_MATMUL says.
 
 An image without a compiler ships a library built for any x86-64 with AVX2 (`python -m
 common.engine.native --portable OUT`, deploy/Dockerfile) and names it in HANDOFF_NATIVE_LIBRARY, which

@@ -16,13 +16,10 @@ LANES = DEFINES["LANES"]  # attention's and add_rms_norm's sums: head_dim and hi
 MAX_HEADS_PER_KV, MAX_HEADS, MAX_HEAD_DIM = DEFINES["MAX_HEADS_PER_KV"], DEFINES["MAX_HEADS"], DEFINES["MAX_HEAD_DIM"]
 REFINE_LANES = DEFINES["REFINE_LANES"]  # refine_top's dim: a multiple of it
 LAYER_POINTERS = DEFINES["LAYER_POINTERS"]  # decode_layers' weights a layer
-# Below this much work ((row, query head) items times the longest context) one thread does it all. The
-# split runs on torch's OpenMP team, whose threads are already awake, so it pays early: 2 rows of 107
-# positions took 36 against 55 us on 2 threads, 32 rows of 130 0.43 against 0.84 ms (fp32, an AVX2 host).
-# One row of 107 splits too: a whole 1-row step took 2.37 / 2.41 / 2.46 ms (min / p25 / median of 16
-# alternating rounds) against 2.47 / 2.51 / 2.67 with 1536 (bf16, an AVX-512 EPYC), 4.27 / 4.35 / 4.43 against
-# 4.47 / 4.52 / 4.58 in fp32 on the portable AVX2 build (AVX-512 EPYC), and at 60 positions 2.45 / 2.54 /
-# 2.58 against 2.52 / 2.60 / 2.67.
+# Below this much work ((row, query head) items times the longest context) one thread does it all. The split
+# runs on torch's OpenMP team, whose threads are already awake, so it pays early: at 2 and 32 rows, and for
+# one row of a short chat context too (docs/benchmarks.md, "Figures behind the code": Attention's thread split
+# threshold).
 SPLIT_MIN_WORK = 256
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

@@ -39,19 +39,14 @@ def auto_matmuls(flags: frozenset[str] | None = None) -> tuple[str, str]:
     Where the CPU has AVX512_VNNI, the int8 digit kernel: exact integer products (16-bit activations as two
     signed bytes times the file's 4-bit codes) by vpdpbusd, and from 13 rows by the AMX tile unit where the
     CPU also has AMX_INT8, the same bits either way (so AMX and VNNI-only nodes of a pool give a request the
-    same tokens). A step's 120 matmuls, weights cold, against the bf16 dot kernel: on the Intel AMX VM 0.89x
-    its time at one row and 0.27x at 32; on the AMD Zen VM (VNNI, no AMX) by the vector unit 0.88-0.92x at
-    one row, 0.57-0.64x at 8 and 0.56-0.58x at 32, three runs (docs/benchmarks.md).
+    same tokens): faster than the bf16 dot kernel at every batch size, most at 32 rows.
     Else, where the CPU has AVX512_BF16, the bf16 dot kernel: the file's 4-bit codes themselves (exact in
-    bf16) times bf16 activations by the bf16 dot instruction. On the avx512_bf16 VM its 120 matmuls took
-    2.4-3.5 ms at one row against the integer kernel's 3.7-5.1 and 45-47 ms at 32 rows against 72-81 (the
-    fp32 kernel's: 4.6-6.1 and 62-65).
-    Else, with AVX2, the same digit kernel's AVX2 unit (vpmaddubsw; the same bits again): in the portable
-    AVX2 build on the AMD VM a step's 120 matmuls took 0.58x the fp32 kernel's time at one row, 0.63x at 8
-    and 0.81x at 32, and one stream decoded 1.5-1.7x as fast (runs in turn; docs/benchmarks.md). The fp32
-    kernel (HANDOFF_NATIVE_MATMUL=f32), auto's pick there before, is the most exact (fp32 activations
-    unrounded). Without AVX2 (the plain C loops), the integer kernel. torch's int4 kernel is 10-20x slower
-    at 8-32 rows on AVX2 hosts (and 5x at one). `flags` defaults to this CPU's."""
+    bf16) times bf16 activations by the bf16 dot instruction, faster than the integer and fp32 kernels.
+    Else, with AVX2, the same digit kernel's AVX2 unit (vpmaddubsw; the same bits again), faster than the
+    fp32 kernel at every batch size. The fp32 kernel (HANDOFF_NATIVE_MATMUL=f32), auto's pick there before,
+    is the most exact (fp32 activations unrounded). Without AVX2 (the plain C loops), the integer kernel.
+    torch's int4 kernel is many times slower on AVX2 hosts. (docs/benchmarks.md, "Figures behind the code":
+    Auto's matmul kernel per CPU; torch's int4 kernel on AVX2 hosts.) `flags` defaults to this CPU's."""
     flags = cpu_flags() if flags is None else flags
     if {"avx512_vnni", "amx_int8", "amx_tile"} <= flags:
         return "amx", "matmul_q4_digits.c, int8 digits by VNNI and AMX tiles: the CPU has amx_int8"
@@ -110,9 +105,10 @@ def runnable_mode(mode: str, kernels: DecodeKernels) -> str:
                     "its AVX2 unit instead (the same bits)")
         mode = "avx2"
     if mode == "avx2" and not kernels.has_avx2_digits:
-        # A library without the int8 digit kernels (built by a compiler other than GCC >= 11, or for a
-        # CPU without AVX2): bf16dot where it runs, else the fp32 kernel (every library has it), never
-        # torch's int4 kernel (10-20x slower on AVX2 hosts at 8-32 rows).
+        # A library without the int8 digit kernels (built by a compiler other than GCC >= 11, or for a CPU
+        # without AVX2): bf16dot where it runs, else the fp32 kernel (every library has it), never torch's
+        # int4 kernel (many times slower on AVX2 hosts: docs/benchmarks.md, "Figures behind the code": torch's
+        # int4 kernel on AVX2 hosts).
         mode = "bf16dot" if kernels.has_bf16dot else "f32"
         log.warning("decode's packed-weight matmuls: the native library has no int8 digit kernel (it was "
                     "built by a compiler other than GCC 11 or later, or without AVX2); using the %s kernel "

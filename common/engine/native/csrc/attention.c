@@ -5,12 +5,12 @@
  * SDPA: three passes over the context's bytes plus a mask. This reads each K and V row once, where it
  * lies, and accumulates in fp32.
  *
- * Invariant 4 (a row's result never depends on the other rows): a work item is one (row, query head) pair
- * (one row alone on several threads: its positions for the scores, its dims for V) and reads nothing of
- * other rows; every sum runs in a fixed order that depends only on the row's own length (16 fixed lanes
- * over head_dim, then a fixed tree; positions in order), never on addresses or on how the work is split
- * between threads. Built without -ffast-math for that reason: the compiler
- * may not reassociate a sum. exp is a polynomial in plain C so that it vectorizes without libmvec.
+ * Invariant 4 (same tokens whatever the batch) needs a row's result never to depend on the other rows: a work
+ * item is one (row, query head) pair (one row alone on several threads: its positions for the scores, its
+ * dims for V) and reads nothing of other rows; every sum runs in a fixed order that depends only on the row's
+ * own length (16 fixed lanes over head_dim, then a fixed tree; positions in order), never on addresses or on
+ * how the work is split between threads. Built without -ffast-math for that reason: the compiler may not
+ * reassociate a sum. exp is a polynomial in plain C so that it vectorizes without libmvec.
  *
  * Layouts (elements, not bytes):
  *   q     [rows, heads, dim], row stride q_stride, head stride dim
@@ -187,13 +187,14 @@ static inline void NAME(const float *restrict qf, const T *restrict slots, const
 DEFINE_SCORES(scores_bf16, uint16_t, bf16_to_f32, VEC_LOAD_BF16)
 DEFINE_SCORES(scores_f32, float, LOAD_F32, VEC_LOAD_F32)
 
-/* The weighted sum of V, acc[hq * dim + d] = sum over positions p, in order, of w[hq, p] * v[p, d], for
- * query heads hq0 .. hq1 - 1. Each term is one fused multiply-add into the running sum, from zero: the
- * same operations as the plain loop below it (which -ffp-contract=fast fuses the same way), so the same
- * bits. At head_dim 64 with AVX-512 the sums stay in registers, V_TILE query heads (4 vectors each) at a
- * time, and a KV head's V row is widened to fp32 once for the query heads of the tile that read it: the
- * plain loop loaded, widened and stored the sums again for every position and query head (1 row of 1,024
- * positions took 146 us a layer, most of it here). Returns 0, or -1 where the fast path does not apply. */
+/* The weighted sum of V, acc[hq * dim + d] = sum over positions p, in order, of w[hq, p] * v[p, d], for query
+ * heads hq0 .. hq1 - 1. Each term is one fused multiply-add into the running sum, from zero: the same
+ * operations as the plain loop below it (which -ffp-contract=fast fuses the same way), so the same bits. At
+ * head_dim 64 with AVX-512 the sums stay in registers, V_TILE query heads (4 vectors each) at a time, and a
+ * KV head's V row is widened to fp32 once for the query heads of the tile that read it: the plain loop
+ * loaded, widened and stored the sums again for every position and query head, most of a long row's time
+ * (docs/benchmarks.md, "Figures behind the code": Weighted V in registers). Returns 0, or -1 where the fast
+ * path does not apply. */
 #define V_TILE 5
 #ifdef ATTENTION_AVX512
 #define DEFINE_WEIGHTED_V(NAME, T, VLOAD)                                                              \
@@ -297,14 +298,14 @@ static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_
 DEFINE_WEIGHTED_V(weighted_v_bf16, uint16_t, VEC_LOAD_BF16)
 DEFINE_WEIGHTED_V(weighted_v_f32, float, VEC_LOAD_F32)
 
-/* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the
- * slot's K (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of
- * every 1,536 bytes and waited on memory: 4 rows of 1,500 positions took 2 ms a layer in fp32). The next
- * block is prefetched while one is read, for scores and for V alike. Pointers are restrict:
- * with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked block by
- * block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items are
- * query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV
- * heads the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
+/* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the slot's K
+ * (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of every 1,536 bytes
+ * and waited on memory: docs/benchmarks.md, "Figures behind the code": Attention reads a row's heads
+ * together). The next block is prefetched while one is read, for scores and for V alike. Pointers are
+ * restrict: with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked
+ * block by block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items
+ * are query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV heads
+ * the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
 #define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE, SCORES, WEIGHTED_V)                                \
 static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
                 int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
@@ -375,9 +376,8 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
  * order: every thread adds each head's softmax total position by position, and the weighted V is split by
  * dims, each thread summing every position into its own V_SPLIT_DIMS dims of every head. Two barriers; the
  * AVX-512 build keeps the split by query heads (ROW_SPLIT 0). */
-/* Below this many positions the split by query heads is as fast (two barriers cost what the balance saves):
- * one row, 2 threads, fp32, 30 layers' K/V in turn, old / new: 6.9 / 7.6 us at 40 positions, 18.3 / 17.9 at
- * 150, 72.5 / 59.7 at 500, 206.5 / 147.7 at 1,032, 599 / 468 at 4,000 (Zen 3 VM, AVX2 only). */
+/* Below this many positions the split by query heads is as fast (two barriers cost what the balance saves:
+ * docs/benchmarks.md, "Figures behind the code": One row's attention split by positions). */
 #define ROW_SPLIT_MIN 128
 #if defined(ATTENTION_AVX512)
 #define ROW_SPLIT 0

@@ -1,7 +1,7 @@
-/* A decode step's whole layer stack in one call (common/engine/native, Llama.forward): the same kernels
- * the model otherwise calls one by one from Python (attention.c, rowwise.c, matmul_q4_*.c), in the same order
- * on the same buffers, so the bits are the same; only the ~9 Python calls a layer (12 us each, about a
- * fifth of a one-row step) are gone.
+/* A decode step's whole layer stack in one call (common/engine/native, Llama.forward): the same kernels the
+ * model otherwise calls one by one from Python (attention.c, rowwise.c, matmul_q4_*.c), in the same order on
+ * the same buffers, so the bits are the same; only the ~9 Python calls a layer are gone (docs/benchmarks.md,
+ * "Figures behind the code": The layer stack in one call).
  *
  * Per layer, with h the fp32 residual [rows, hidden] and `delta` the last sublayer's output:
  *   x = RMSNorm(h += delta) * attn_norm;  qkv = x @ wqkv;  rotary + K/V write;  o = attention(q, cache)

@@ -2,13 +2,15 @@
  *
  *   refine_top: the int8 head's logits are approximate; each row's k best are recomputed exactly in fp32
  *               from the fp32 head and the row's hidden state (what torch's topk + gather + product + sum +
- *               scatter did, 172 us a row on this project's 2-core VM, 3.9 ms for 32 rows);
- *   argmax:     greedy's token, the first of the row's largest logits (torch's max(dim): 72 us a row).
+ *               scatter did, slower);
+ *   argmax:     greedy's token, the first of the row's largest logits (what torch's max(dim) did, slower).
+ * (docs/benchmarks.md, "Figures behind the code": Top-k refinement and argmax in C.)
  *
- * Invariant 4: each row alone, its operations fixed by its own values. The k best are chosen by a total
- * order (NaN above everything, -0 equal to +0, ties to the lower token id), so the set never depends on the
- * scan's vector width; an exact logit is one dot product with 8 lanes (lane l: inputs l, l + 8, ... by fused
- * multiply-adds in order) and a fixed tree over the lanes: the AVX2 and plain C builds give the same bits.
+ * Invariant 4 (same tokens whatever the batch): each row alone, its operations fixed by its own values. The k
+ * best are chosen by a total order (NaN above everything, -0 equal to +0, ties to the lower token id), so the
+ * set never depends on the scan's vector width; an exact logit is one dot product with 8 lanes (lane l:
+ * inputs l, l + 8, ... by fused multiply-adds in order) and a fixed tree over the lanes: the AVX2 and plain C
+ * builds give the same bits.
  */
 #include <errno.h>
 #include <math.h>

@@ -4,9 +4,9 @@
  *   q4:  GGUF Q4_0 / Q4_1 blocks of 32 inputs, w = q * d + m (q in 0..15; d, m fp16, exact from the file).
  *   q8:  the LM head, w = code * scale[o] (code int8, scale fp32).
  *
- * Layout: outputs in quads (4 consecutive outputs; the last quad padded with zero weights), a quad's
- * blocks interleaved, so that the 4 outputs a tile computes together are one sequential stream (4
- * separate row streams ran at a third of the speed: a 1-row LM head took 7.0 against 3.5 ms on one core):
+ * Layout: outputs in quads (4 consecutive outputs; the last quad padded with zero weights), a quad's blocks
+ * interleaved, so that the 4 outputs a tile computes together are one sequential stream (4 separate row
+ * streams ran far slower: docs/benchmarks.md, "Figures behind the code": Quads: one stream a tile):
  *   q4:  [quads, in / 32, 80] bytes: per block the 4 outputs' 16 code bytes (byte j: input j in the low
  *        nibble, j + 16 in the high one, as GGUF stores them), then 4 fp16 d, then 4 fp16 m;
  *   q8:  [quads, in / 32, 4, 32] int8 codes, and scale [quads * 4] fp32.
@@ -15,8 +15,9 @@
  * One file a kernel family: the integer kernel (matmul_q4_int.c), the bf16 dot kernel (matmul_q4_bf16dot.c),
  * the fp32 kernel (matmul_q4_f32.c), the int8 digit kernels (matmul_q4_digits.c), the int8 LM head
  * (matmul_q8_head.c); native/choice.py picks the Q4 kernel per CPU. Each keeps a (row, output)'s operations
- * and their order independent of the batch, the tiling and the thread (its file says how), and the library
- * is built without -ffast-math so that the compiler keeps that order.
+ * and their order independent of the batch, the tiling and the thread (its file says how), as invariant 4
+ * (same tokens whatever the batch) needs, and the library is built without -ffast-math so that the compiler
+ * keeps that order.
  *
  * Threads: the outputs' quads (or groups) are split between the threads of an OpenMP team, torch's
  * (run_parts, matmul_threads.c).
@@ -47,10 +48,10 @@
 #define XQ_MAX 32767.0f
 #define SPLIT_QUADS 2  /* quads are split between threads in multiples of this */
 /* A matmul streams its weights once, each thread one contiguous range (then the others' tails: run_parts).
- * The hardware prefetcher alone kept a 1-row matmul at ~80 % of a plain read of the same bytes (66 MB of
- * 1.1 MB weights, cold, 2 threads: 1.35-1.39 against 1.06-1.16 ms); asking for the bytes this far ahead as
- * each block is read brought it to 1.24-1.27 ms (5,120 and 8,000 bytes ahead the best of 640-20,480). A
- * prefetch past the end of the weights is harmless: it never faults. */
+ * The hardware prefetcher alone left a 1-row matmul well short of a plain read of the same bytes; asking for
+ * the bytes this far ahead as each block is read closes most of the gap, and this distance measured best
+ * (docs/benchmarks.md, "Figures behind the code": Weight prefetch distance). A prefetch past the end of the
+ * weights is harmless: it never faults. */
 #define PREFETCH_AHEAD 6144
 #define PREFETCH(rec) __builtin_prefetch((const char *)(rec) + PREFETCH_AHEAD, 0, 3)
 

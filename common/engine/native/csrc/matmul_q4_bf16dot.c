@@ -1,6 +1,7 @@
 /* The bf16 dot Q4 kernel (q4_matmul_bf16dot), on the quads layout (matmul.h), for CPUs with AVX512_BF16: the
  * file's codes themselves, exact as bf16 numbers, times bf16 x: cheaper than the integer kernel at one row
- * and 1.6x faster at 32. */
+ * and faster at 32 (docs/benchmarks.md, "Figures behind the code": bf16 dot kernel against the integer
+ * kernel). */
 #include "matmul.h"
 
 /* GCC compiles it into every AVX2 build, the portable one an image ships included, for the AVX-512 BF16
@@ -22,9 +23,10 @@
  * sum of q x; then the block scale, acc += d * lane, and the offset, accm += m * (the lane's sum of x),
  * blocks in order, and a fixed tree over the 4 lanes of acc + accm. Against dequantizing (w = d q + m
  * rounded to bf16, as torch's int4 kernel does) the weights keep their exact value and a row costs 6
- * instructions a block of a quad at any batch size, about half the old one-row cost.
+ * instructions a block of a quad at any batch size.
  *
- * A (row, output)'s operations and their order do not depend on the rows beside it: invariant 4. */
+ * A (row, output)'s operations and their order do not depend on the rows beside it: invariant 4 (same tokens
+ * whatever the batch). */
 #define BF16DOT_LANES 4 /* fp32 lanes per output and block: a 128-bit lane of the 512-bit register */
 #define BF16DOT_SUMS (2 * BF16DOT_LANES) /* a row's floats a block: its lane sums, then -128 times them */
 

@@ -13,8 +13,8 @@
  * rows per instruction. The integer sums are exact whatever the unit's order, and the fp32 steps after them
  * are the same instructions in the same order, so both give the same bits: q4_matmul_amx takes a batch of
  * fewer than AMX_MIN_ROWS rows to the vector kernel (too few rows to share the tile unit's fixed cost a
- * block: B stored and loaded, C stored and read back) and a larger one to the tiles, and invariant 4 holds
- * across the switch (a row's result does not depend on the batch's size).
+ * block: B stored and loaded, C stored and read back) and a larger one to the tiles, and invariant 4 (same
+ * tokens whatever the batch) holds across the switch: a row's result does not depend on the batch's size.
  */
 #define _GNU_SOURCE /* syscall(), for arch_prctl (the AMX tile state): -std=c11 alone leaves it undeclared */
 #include "matmul.h"
@@ -38,10 +38,9 @@ typedef enum { DIGITS_AVX2, DIGITS_VNNI, DIGITS_TILES, DIGITS_AMX } digit_unit_t
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a dynamically enabled state component */
 #define XFEATURE_XTILEDATA 18
 /* A group's blocks are one stream (with the 4 quads' records apart, as the other kernels read them, a one-row
- * step in the engine took 4.0-4.2 ms against the bf16 dot kernel's 3.7-3.8), its lines asked for PREFETCH_AHEAD
- * bytes ahead into L2 (prefetcht1) rather than L1: a one-row pass of a step's 120 matmuls, cold (the weights
- * evicted from the Intel VM's 480 MiB L3 before each pass), 4.32-4.42 against 5.01-5.11 ms, three
- * alternating runs each. */
+ * step was slower than the bf16 dot kernel's), its lines asked for PREFETCH_AHEAD bytes ahead into L2
+ * (prefetcht1) rather than L1, which a cold one-row pass ran faster with (docs/benchmarks.md,
+ * "Figures behind the code": Digit kernels: one stream, prefetched into L2). */
 #define DIGIT_PREFETCH(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 2)
 
 typedef int32_t __attribute__((may_alias, aligned(1))) dword_t; /* four digits, read as one broadcast */
@@ -93,7 +92,9 @@ static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t r
     if (threads > 1 && rows > 1) {
 #pragma omp parallel for num_threads((int)threads) schedule(static)
         for (int64_t r = 0; r < rows; r++) digits_prepare_row(x, x_bf16, x_stride, elem, r, x_rows, in, xq, out);
-    } else { /* no OpenMP region at all: an if(0) one still cost 0.2-0.6 us a call, 120 calls a step */
+    } else {
+        /* no OpenMP region at all: an if(0) one still costs its setup, 120 calls a step (docs/benchmarks.md,
+         * "Figures behind the code": Digit preparation without an OpenMP region) */
         for (int64_t r = 0; r < rows; r++) digits_prepare_row(x, x_bf16, x_stride, elem, r, x_rows, in, xq, out);
     }
     free(xq);
@@ -103,12 +104,12 @@ static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t r
 /* The AVX2 unit (any CPU this build runs on): the same exact sums by vpmaddubsw, whose pairs (codes 0-15
  * times a signed digit, |pair| <= 3840) add in 16 bits over a block's 8 dwords of 4 inputs (<= 30720, no
  * wrap), widened by vpmaddwd; then the same fp32 steps as digit_scale, 8 outputs a register. A block's two
- * halves (outputs 0-7, 8-15) share each broadcast of a row's digits: with the halves one after the other
- * over the blocks (fewer registers live), a 32-row matmul in cache took 1.27x as long (AMD VM, AVX2 build), a
- * one-row one 1.12x (Zen 3, AVX2 only); the halves one after the other within each block, the broadcasts read
- * again for the second so that nothing spills, 1.3x there. On that host one row is held by these
- * instructions and the memory alike: the weights in cache went 7-21 % faster, and with half the byte
- * products (8-bit activations, not kept) the step from memory went no faster (docs/benchmarks.md). */
+ * halves (outputs 0-7, 8-15) share each broadcast of a row's digits: both other orders ran slower, the halves
+ * one after the other over the blocks (fewer registers live) and one after the other within each block (the
+ * broadcasts read again for the second, so that nothing spills). One row is held by these instructions and
+ * the memory alike: the weights in cache ran faster, and half the byte products (8-bit activations, not kept)
+ * made the step from memory no faster (docs/benchmarks.md, "Figures behind the code": Digit kernels' AVX2
+ * unit: a block's halves share the broadcasts). */
 static inline void digit_store_avx2(const job_t *j, int64_t row, int64_t o, __m256 acc, __m256 accm) {
     const __m256 v = _mm256_add_ps(acc, accm);
     const int64_t real = j->w.out - o;

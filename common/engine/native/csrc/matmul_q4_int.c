@@ -1,19 +1,20 @@
 /* The integer Q4 kernel (q4_matmul), on the quads layout (matmul.h).
  *
- * The products are integer, as llama.cpp's are: each activation row is quantized per block of 32 inputs
- * to 16-bit integers (x ~ xq * sx, |xq| <= 32767: 15 bits of the block's largest value, where bf16 keeps
- * 8 of each element), multiplied with the weights' integer codes by vpmaddwd and summed exactly in int32;
- * only then is a block's sum scaled (d * sx) and accumulated in fp32. Q4_1's offset m enters through the
- * block's exact fp32 sum of x: sum_b m_b * sum(x_b). Why not torch's int4 kernel: it takes bf16
- * activations, rounds the file's fp16 scales to bf16, and costs ~12x one row's time at 32 rows; its int8
- * counterpart (torch._int_mm) has no fast path on AVX2-only hosts. (The q8 head, whose codes share one
- * scale an output, quantizes a row whole instead: matmul_q8_head.c.)
+ * The products are integer, as llama.cpp's are: each activation row is quantized per block of 32 inputs to
+ * 16-bit integers (x ~ xq * sx, |xq| <= 32767: 15 bits of the block's largest value, where bf16 keeps 8 of
+ * each element), multiplied with the weights' integer codes by vpmaddwd and summed exactly in int32; only
+ * then is a block's sum scaled (d * sx) and accumulated in fp32. Q4_1's offset m enters through the block's
+ * exact fp32 sum of x: sum_b m_b * sum(x_b). Why not torch's int4 kernel: it takes bf16 activations, rounds
+ * the file's fp16 scales to bf16, and costs many times one row's time at 32 rows (docs/benchmarks.md,
+ * "Figures behind the code": Integer kernel against torch's int4 kernel); its int8 counterpart
+ * (torch._int_mm) has no fast path on AVX2-only hosts. (The q8 head, whose codes share one scale an output,
+ * quantizes a row whole instead: matmul_q8_head.c.)
  *
- * Invariant 4 (a row's result never depends on the other rows): a row is quantized alone, and every
- * (row, output) pair runs the same operations in the same order whatever the batch, the tiling or the
- * thread: per block an exact integer sum into 8 lanes (lane l: inputs 2l, 2l + 1, 16 + 2l, 17 + 2l),
- * then one fused multiply-add per lane, blocks in order; then a fixed tree over the lanes, and the
- * offset term's blocks in order. The AVX2 path and the portable C path compute the same bits; built
+ * Invariant 4 (same tokens whatever the batch) needs a row's result never to depend on the other rows: a row
+ * is quantized alone, and every (row, output) pair runs the same operations in the same order whatever the
+ * batch, the tiling or the thread: per block an exact integer sum into 8 lanes (lane l: inputs 2l, 2l + 1,
+ * 16 + 2l, 17 + 2l), then one fused multiply-add per lane, blocks in order; then a fixed tree over the lanes,
+ * and the offset term's blocks in order. The AVX2 path and the portable C path compute the same bits; built
  * without -ffast-math so the compiler keeps that order.
  */
 #include "matmul.h"

@@ -1,12 +1,12 @@
 /* The int8 LM head (q8_matmul), on its quads layout (matmul.h).
  *
- * q8 quantizes an activation row whole, where q4 takes it by blocks: xq = rint(x / s), s = max |x| / 32767, 15
- * bits of the row's largest value against the weights' 8 bits of theirs. One scale a row, so each (row,
+ * q8 quantizes an activation row whole, where q4 takes it by blocks: xq = rint(x / s), s = max |x| / 32767,
+ * 15 bits of the row's largest value against the weights' 8 bits of theirs. One scale a row, so each (row,
  * output) is one exact integer sum over all its inputs, sum xq w, and the output (float)sum * s * scale[o]:
- * no scaling per block (at 32 rows the head took 7.4-8.3 ms against 10.3-12.0 with it), and the same
- * integer however the sum is split, so that any tiling, any batch and every build (AVX-512, AVX2, plain C)
- * give a row the same bits (invariant 4). The LM head's logits are approximate by design: the fp32
- * refinement recomputes the best of each row. */
+ * no scaling per block (docs/benchmarks.md, "Figures behind the code": LM head: one scale a row), and the
+ * same integer however the sum is split, so that any tiling, any batch and every build (AVX-512, AVX2, plain
+ * C) give a row the same bits, as invariant 4 (same tokens whatever the batch) needs. The LM head's logits
+ * are approximate by design: the fp32 refinement recomputes the best of each row. */
 #include "matmul.h"
 
 /* Blocks summed in int32 lanes before int64: a lane holds 4 inputs a block, 256 a chunk, at most
@@ -99,8 +99,8 @@ DEFINE_TILE_Q8(1)
 DEFINE_QUADS(q8)
 #elif defined(MATMUL_AVX2)
 /* An output's 32 codes widened to 16 bits, times xq by vpmaddwd: 8 int32 lanes an output. A quad's records
- * are one stream, which the hardware prefetcher follows: with PREFETCH's hint as well, a one-row step took
- * 1.05-1.10x as long (AVX2-only Zen 3 VM, three runs of 600 alternating steps; no change at 8 and 32 rows). */
+ * are one stream, which the hardware prefetcher follows: PREFETCH's hint as well made a one-row step slower
+ * (docs/benchmarks.md, "Figures behind the code": LM head on AVX2: no prefetch hint). */
 #define DEFINE_TILE_Q8(RT)                                                                             \
 static void tile_q8_##RT(const job_t *j, int64_t r0, int64_t quad) {                                   \
     const int64_t in = j->w.in, blocks = in / GROUP;                                                   \

@@ -16,7 +16,9 @@ typedef struct {
     _Alignas(64) _Atomic uint64_t span; /* front in the low 32 bits, back in the high 32 */
 } part_t;
 #define MAX_PARTS 64
-#define STEAL_BYTES 32768 /* about this many bytes of weights a take (8 KiB to 64 KiB: the same within 1 %) */
+/* About this many bytes of weights a take (8 to 64 KiB measured the same: docs/benchmarks.md,
+ * "Figures behind the code": Steal chunk size). */
+#define STEAL_BYTES 32768
 
 /* Takes up to `chunk` units from the front (from_back 0) or the back of *p into [*b, *e); 0 when empty. */
 static int take(part_t *p, int64_t chunk, int from_back, int64_t *b, int64_t *e) {
@@ -38,13 +40,13 @@ static int take(part_t *p, int64_t chunk, int from_back, int64_t *b, int64_t *e)
 /* n units of work (groups or quads; `unit` of them the split's granularity, `chunk` a take) on an OpenMP team:
  * the library is linked against the libgomp torch has loaded (same soname), so these are torch's own intra-op
  * threads, already spinning after torch's last op (a pool of our own beside them made the two fight for the
- * cores: a 1-row step took 38.7 against 16.4 ms with torch's threads told not to spin). Each thread streams
- * its own contiguous part, `chunk` units at a time from the front; one that runs out takes what is left of
- * the others' from their back, a chunk at a time. With the parts fixed, the faster of two threads had
- * waited for the other at the end of each of a step's 120 matmuls: 0.39-0.55 ms of a one-row step's 2.4-2.5 ms
- * in them (Zen 3 VM, AVX2 only, two vCPUs that get uneven time); taking each other's tails, a step took
- * 0.98-0.99x as long at 1 row, 0.98x at 8 and 32 (medians, in-process alternation; docs/benchmarks.md).
- * Which thread computes a unit never changes its bits. */
+ * cores, even with torch's threads told not to spin: docs/benchmarks.md, "Figures behind the code": Matmul
+ * threads: torch's OpenMP team). Each thread streams its own contiguous part, `chunk` units at a time from the
+ * front; one that runs out takes what is left of the others' from their back, a chunk at a time. With the parts
+ * fixed, the faster of two threads (two vCPUs that get uneven time) had waited for the other at the end of each
+ * of a step's 120 matmuls; taking each other's tails, a step ran a little faster at every batch size
+ * (docs/benchmarks.md, "Figures behind the code": Matmul threads take each other's tails). Which thread
+ * computes a unit never changes its bits. */
 int run_parts(range_fn fn, const job_t *j, int64_t n, int64_t unit, int64_t chunk, int64_t threads) {
     const int64_t units = (n + unit - 1) / unit;
     if (threads > units) threads = units;

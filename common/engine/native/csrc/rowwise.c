@@ -1,6 +1,6 @@
-/* The small row-wise ops around a decode layer's matmuls (common/engine/native), fused: one call each
- * instead of 5-10 torch ops (about 40 us of a 1-row step's 50 each, most of it per-op overhead). Rows are
- * independent and every sum has a fixed order, as in attention.c. */
+/* The small row-wise ops around a decode layer's matmuls (common/engine/native), fused: one call each instead
+ * of 5-10 torch ops, whose time was mostly per-op overhead (docs/benchmarks.md, "Figures behind the code":
+ * Row-wise ops fused). Rows are independent and every sum has a fixed order, as in attention.c. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
