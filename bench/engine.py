@@ -260,7 +260,7 @@ class CachedLayersDecode(RunnerDecode):
 
     @staticmethod
     def applies(ours: Ours) -> bool:
-        """Only where decode runs the native int4 layer stack (decode_layers.c), whose pointers it swaps."""
+        """Only where decode runs the native int4 layer stack (native/csrc/layers.c), whose pointers it swaps."""
         return ours.model.native_layers is not None and ours.model.has_int4 and ours.runner.int4_decode
 
     def steps(self, n: int) -> list[float]:
@@ -678,8 +678,9 @@ def main(argv: list[str] | None = None) -> None:
     steps, warmup = (16, 4) if q else (64, 8)
     long_context = None if q else LONG_CONTEXT
     t_start = time.perf_counter()
-    from common.engine import native, pages
+    from common.engine import pages
     from common.engine.hardware import auto_dtype
+    from common.engine.native.choice import matmuls_mode
     from common.engine.runner import DTYPE_NAMES
 
     asked = args.dtype
@@ -687,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"dtype {args.dtype}{' (auto)' if asked == 'auto' else ''}, {args.threads} threads, "
         f"sections {sorted(sections)}{' (quick)' if q else ''}")
     emit_machine(dtype=args.dtype, dtype_asked=asked, why=auto_dtype()[1], threads=args.threads,
-                 decode_matmuls=native.matmuls_mode()[1], transparent_huge_pages=pages.thp_mode(),
+                 decode_matmuls=matmuls_mode()[1], transparent_huge_pages=pages.thp_mode(),
                  huge_pages=pages.enabled())
     emit_load_avg("start")
 

@@ -121,12 +121,13 @@ def other_build(tmp_path: Path, march: str, extra: tuple[str, ...] = ()):
     """The decode kernels built for another -march into tmp_path (x86-64: the plain C loops; x86-64-v3: the
     image's portable AVX2 build; extra flags after it, e.g. -mno-avx2), for tests that compare builds bit
     for bit."""
-    from common.engine import native
+    from common.engine.native import build
+    from common.engine.native.bindings import DecodeKernels
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     path = tmp_path / f"decode_kernels-{march}{''.join(extra)}.so"
-    native._compile(native._compiler(None), native.march_flags(march) + list(extra), path)
-    return native.DecodeKernels(path)
+    build.compile_library(build.find_compiler(), build.march_flags(march) + list(extra), path)
+    return DecodeKernels(path)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from common.engine import native
+from common.engine.native.choice import ENV_MATMUL
 from tests.fault_util import fault_free, kill_mid_stream
 from tests.proc_cluster import ProcCluster
 
@@ -23,7 +24,7 @@ def procs(tmp_path_factory):
     if kernels is None or not kernels.has_avx2_digits:
         pytest.skip("this host's library has no int8 digit kernels (GCC before 11, or no AVX2): no mixed pool")
     c = ProcCluster(tmp_path_factory.mktemp("procs_mixed"), num_prefill=1, num_decode=2,
-                    proc_env={"decode-0": {native.ENV_MATMUL: "avx2"}, "decode-1": {native.ENV_MATMUL: "auto"}})
+                    proc_env={"decode-0": {ENV_MATMUL: "avx2"}, "decode-1": {ENV_MATMUL: "auto"}})
     yield c.start()
     c.stop()
 

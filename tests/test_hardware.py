@@ -32,20 +32,19 @@ def test_auto_picks_bf16_only_with_native_bf16(flags, expected):
     ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "avx2"),  # the bf16 dot kernel needs AVX512_BF16, not AMX
 ])
 def test_decode_matmuls_follow_the_cpu_unless_asked(monkeypatch, flags, mode):
-    from common.engine import native as native_lib
-    from common.engine.hardware import auto_matmuls
+    from common.engine.native.choice import ENV_MATMUL, auto_matmuls, matmuls_mode
     picked, why = auto_matmuls(frozenset(flags))
     assert picked == mode and why
-    monkeypatch.delenv(native_lib.ENV_MATMUL, raising=False)
-    assert native_lib.matmuls_mode()[0] == auto_matmuls()[0]
+    monkeypatch.delenv(ENV_MATMUL, raising=False)
+    assert matmuls_mode()[0] == auto_matmuls()[0]
     for value, expected in (("1", "int"), ("on", "int"), ("int", "int"), ("bf16", "bf16dot"), ("f32", "f32"),
                             ("amx", "amx"), ("vnni", "vnni"), ("avx2", "avx2"), ("0", "torch"), ("off", "torch"),
                             ("auto", auto_matmuls()[0])):
-        monkeypatch.setenv(native_lib.ENV_MATMUL, value)
-        assert native_lib.matmuls_mode()[0] == expected, value
-    monkeypatch.setenv(native_lib.ENV_MATMUL, "fast")
+        monkeypatch.setenv(ENV_MATMUL, value)
+        assert matmuls_mode()[0] == expected, value
+    monkeypatch.setenv(ENV_MATMUL, "fast")
     with pytest.raises(ValueError, match="HANDOFF_NATIVE_MATMUL='fast': use 1"):
-        native_lib.matmuls_mode()
+        matmuls_mode()
 
 
 def test_auto_on_this_machine_follows_its_flags_and_says_why(caplog):

@@ -7,6 +7,7 @@ import torch
 
 from common.engine.kv_cache import KVCache
 from common.engine.model import AttnContext, Llama
+from common.engine.native.packing import Q4_RECORD
 from common.engine.output import FinishReason
 from common.engine.runner import PrefillItem
 from common.engine.sampling import SamplingParams
@@ -149,13 +150,14 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
     (replay). In the defaults (the dtype this host serves, bf16 where the CPU has it natively and fp32 on
     AVX2 hosts, with int4 decode), and in the cases below. With the native paged-attention kernel (the default where it builds) and with the eager
     gather + SDPA path it falls back to. The packed weights' matmuls as this CPU picks them
-    (HANDOFF_NATIVE_MATMUL unset: decode_matmul.c's int8 digit kernel where the CPU has AVX512_VNNI, whose
+    (HANDOFF_NATIVE_MATMUL unset: the native int8 digit kernel where the CPU has AVX512_VNNI, whose
     13-row batch crosses from its vector half to its tiles where it has AMX_INT8; its bf16 dot kernel where
     the CPU has AVX512_BF16 without VNNI; its AVX2 unit elsewhere), the others every host can run ("int",
     "torch", "f32"), the digit kernel's AVX-512 unit alone where the CPU has AVX512_VNNI, its AVX2 unit
     (in fp32, the dtype AVX2 hosts run), and the bf16 dot kernel where the CPU has AVX512_BF16."""
     from common.engine import native
-    from common.engine.hardware import auto_dtype, auto_matmuls
+    from common.engine.hardware import auto_dtype
+    from common.engine.native.choice import auto_matmuls
     from common.engine.runner import DecodeItem
     if dtype is None:  # the defaults: the dtype this host serves (bf16 where native, else fp32), int4 decode
         dtype = auto_dtype()[0]
@@ -272,7 +274,7 @@ def test_a_node_without_vnni_runs_the_avx2_unit_with_the_same_logits_and_without
             runner = _runner_on(smollm2_weights, asked)
             assert runner.model.matmuls == want and message in caplog.text, (asked, caplog.text)
         layer = runner.model.layers[0]["wqkv4"]
-        assert layer.kernel == want and layer.packed.shape[-1] == native.Q4_RECORD
+        assert layer.kernel == want and layer.packed.shape[-1] == Q4_RECORD
         other = _decode_16_rows(runner)
         assert (other.argmax(-1) == widest.argmax(-1)).float().mean() >= 0.9  # another kernel's bits
         monkeypatch.setattr(kernels, "has_bf16dot", False)

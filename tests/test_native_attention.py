@@ -1,8 +1,8 @@
-"""The native decode-attention kernel (common/engine/native.py, decode_kernels.c) on its own.
+"""The native decode-attention kernel (common/engine/native/csrc/attention.c) on its own.
 
 Against the eager path it replaces (gather, widen to fp32, SDPA with a mask), and for the property
-invariant 4 needs of it: a row's output is the same bits whatever the other rows, wherever its blocks
-lie in the cache, and however the rows are split between threads.
+invariant 4 (same tokens whatever the batch) needs of it: a row's output is the same bits whatever the
+other rows, wherever its blocks lie in the cache, and however the rows are split between threads.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.engine import native
+from common.engine.native import bindings, build
+from common.engine.native.__main__ import main
 from tests.conftest import native_kernels, other_build
 
 BLOCK = 16
@@ -78,9 +79,9 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_split_between_threads_and_moved
     k = native_kernels()
     lens = [5, 700, 64, 65, 1, 300, 129, 17] * 4  # 32 rows: a batch large enough to split
     q, kv, tables, lens_t = _case(dtype, lens, seed=1)
-    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 1 << 62)
+    monkeypatch.setattr(bindings, "SPLIT_MIN_WORK", 1 << 62)
     one_thread = _run(k, q, kv, tables, lens_t)
-    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(bindings, "SPLIT_MIN_WORK", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the split path runs whatever the host's default
     try:
@@ -111,7 +112,7 @@ def test_one_row_split_by_positions_and_dims_is_the_same_bits_as_by_heads(dtype,
     k = native_kernels()
     lens = [127, 128, 129, 144, 200, 1030, 2049]
     q, kv, tables, lens_t = _case(dtype, lens, seed=7)
-    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(bindings, "SPLIT_MIN_WORK", 0)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -137,7 +138,7 @@ def test_a_batch_of_mixed_contexts_handed_out_by_cost_is_the_same_bits(dtype, mo
     k = native_kernels()
     lens = [5, 2000, 17, 300, 1500, 1, 64, 129]
     q, kv, tables, lens_t = _case(dtype, lens, seed=9)
-    monkeypatch.setattr(native, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(bindings, "SPLIT_MIN_WORK", 0)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -196,49 +197,50 @@ def test_non_finite_values_outside_a_row_do_not_reach_it():
 
 def test_no_compiler_means_the_eager_path_and_a_warning_that_says_so(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "no-such-compiler-handoff")
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
     with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-handoff' on PATH"):
-        native.build()
-    native.kernel.cache_clear()
+        build.build_host()
+    build.kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="common.engine.native"):
-            assert native.kernel() is None
+            assert build.kernel() is None
         assert "eager path" in caplog.text and "install gcc, or set CC" in caplog.text
     finally:
-        native.kernel.cache_clear()
+        build.kernel.cache_clear()
 
 
 def test_a_compiler_error_is_reported_with_the_compilers_message(monkeypatch, tmp_path):
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    bad = tmp_path / "decode_kernels.c"
-    bad.write_text("int broken( {\n")
-    monkeypatch.setattr(native, "SOURCE", bad)
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "cache"))
-    with pytest.raises(RuntimeError, match="failed building decode_kernels.c: .*error"):
-        native.build()
+    bad = tmp_path / "csrc"
+    bad.mkdir()
+    (bad / "attention.c").write_text("int broken( {\n")
+    monkeypatch.setattr(build, "CSRC", bad)
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="failed building the native library from .*csrc: .*error"):
+        build.build_host()
     assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".so"], "a failed build left a library"
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    native.kernel.cache_clear()
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    build.kernel.cache_clear()
     try:
-        assert native.kernel() is None
+        assert build.kernel() is None
     finally:
-        native.kernel.cache_clear()
+        build.kernel.cache_clear()
 
 
 def test_builds_are_kept_per_cpu_and_source(monkeypatch, tmp_path):
     """A second build finds the first; another CPU's flags (a shared home folder) get their own file."""
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    first = native.build()
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
+    first = build.build_host()
     mtime = first.stat().st_mtime_ns
-    assert native.build() == first and first.stat().st_mtime_ns == mtime
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "another-host"}))
-    assert native.build() != first
+    assert build.build_host() == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "another-host"}))
+    assert build.build_host() != first
 
 
 def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_path, monkeypatch):
@@ -250,12 +252,12 @@ def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_pat
         pytest.skip("no C compiler")
     host = native_kernels()  # this host's own build, before the environment points elsewhere
     out = tmp_path / "decode_kernels.so"
-    assert native.main(["--portable", str(out)]) == 0 and out.exists()
-    monkeypatch.setenv(native.ENV_LIBRARY, str(out))
+    assert main(["--portable", str(out)]) == 0 and out.exists()
+    monkeypatch.setenv(build.ENV_LIBRARY, str(out))
     monkeypatch.setenv("CC", "no-such-compiler-handoff")  # the pod has none: nothing may try to build
-    native.kernel.cache_clear()
+    build.kernel.cache_clear()
     try:
-        k = native.kernel()
+        k = build.kernel()
         assert k is not None and k.path == out
         q, kv, tables, lens = _case(torch.float32, [3, 90, 400])
         torch.testing.assert_close(_run(k, q, kv, tables, lens), _eager(q, kv, tables, lens), rtol=0, atol=1e-5)
@@ -263,4 +265,4 @@ def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_pat
             q, kv, tables, lens = _case(dtype, [1, 15, 16, 17, 90, 400, 1031], seed=3)
             assert torch.equal(_run(k, q, kv, tables, lens), _run(host, q, kv, tables, lens)), dtype
     finally:
-        native.kernel.cache_clear()
+        build.kernel.cache_clear()

@@ -1,9 +1,9 @@
-"""Decode's native weight matmuls (common/engine/decode_matmul.c through native.py) on their own.
+"""Decode's native weight matmuls (common/engine/native/csrc/matmul_*.c through bindings.py) on their own.
 
 Against the exact product of the same weights (the GGUF Q4 blocks dequantized, the int8 LM head times its
-scales) within the error the 16-bit activation quantization allows, and for what invariant 4 needs of
-them: a row's output is the same bits whatever the other rows, however many threads split the outputs,
-and in the AVX2 build and the portable C one alike.
+scales) within the error the 16-bit activation quantization allows, and for what invariant 4 (same tokens
+whatever the batch) needs of them: a row's output is the same bits whatever the other rows, however many
+threads split the outputs, and in the AVX2 build and the portable C one alike.
 """
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine import native
+from common.engine.native.bindings import DecodeKernels
+from common.engine.native.choice import DIGIT_KERNELS, Q4_ENTRIES, Q4_KERNELS, Q4_LAYOUT
+from common.engine.native.packing import pack_q4, pack_q8
 from tests.conftest import native_kernels, other_build
 
 GROUP = 32
@@ -44,7 +46,7 @@ def _q4_case(dtype: torch.dtype, kernel: str = "int"):
 
 
 def _pack(codes, d, m, kernel: str = "int") -> torch.Tensor:
-    return native.pack_q4(codes, d, m, layout=native.Q4_LAYOUT[kernel])
+    return pack_q4(codes, d, m, layout=Q4_LAYOUT[kernel])
 
 
 def _quant_error_bound(x: torch.Tensor, dense: np.ndarray, limit: float = XQ_MAX) -> np.ndarray:
@@ -82,7 +84,7 @@ def test_q8_is_codes_times_scales_times_x(dtype):
     gen = torch.Generator().manual_seed(2)
     codes = torch.randint(-127, 128, (1001, 2080), dtype=torch.int8, generator=gen)
     scales = torch.rand(1001, generator=gen) * 0.01 + 1e-4
-    packed, packed_scales = native.pack_q8(codes, scales)
+    packed, packed_scales = pack_q8(codes, scales)
     x = torch.randn(5, 2080, generator=gen).to(dtype)
     x[3, 100] = 300.0
     y = k.q8_matmul(x, packed, packed_scales, 1001)
@@ -100,7 +102,7 @@ def test_q8_is_codes_times_scales_times_x(dtype):
 
 def test_q8_a_nan_or_inf_makes_its_row_nan_and_no_other():
     k = native_kernels()
-    packed, scales = native.pack_q8(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01)
+    packed, scales = pack_q8(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01)
     x = torch.randn(3, 576)
     clean = k.q8_matmul(x, packed, scales, 40)
     for bad in (float("nan"), float("inf"), float("-inf")):
@@ -118,8 +120,8 @@ def test_a_row_is_the_same_bits_whatever_the_batch_and_the_threads(dtype):
     and 1 or 2 threads give each row the bits it gets alone on one thread."""
     k = native_kernels()
     codes, d, m, _ = _q4_weight(200, 1536, seed=3)
-    packed = native.pack_q4(codes, d, m)
-    head, head_scales = native.pack_q8(torch.randint(-127, 128, (500, 1536), dtype=torch.int8),
+    packed = pack_q4(codes, d, m)
+    head, head_scales = pack_q8(torch.randint(-127, 128, (500, 1536), dtype=torch.int8),
                                        torch.rand(500) * 0.01)
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(32, 1536, generator=gen) * 3).to(dtype)
@@ -150,13 +152,13 @@ def _assert_rows_batch_invariant(matmuls: dict, rows: torch.Tensor, gen: torch.G
 @pytest.mark.parametrize("kernel", ["int", "f32", "avx2", "q8"])
 def test_more_threads_than_cores_take_each_others_parts_and_every_output_once(kernel):
     """A matmul's threads each stream their own part and then take what is left of the others' from the back
-    (decode_matmul.c, run_parts). With 7 threads on this machine's cores most parts wait for a thread the OS
+    (matmul_threads.c, run_parts). With 7 threads on this machine's cores most parts wait for a thread the OS
     has not run yet, so they are taken by the others, from both ends at once: every output is computed, once,
     with the bits it gets on one thread, at 1, 3 and 9 rows."""
     k = native_kernels() if kernel != "avx2" else _avx2_digits_kernels()
     codes, d, m, _ = _q4_weight(1000, 576, seed=5)
     if kernel == "q8":
-        head, scales = native.pack_q8(torch.randint(-127, 128, (1000, 576), dtype=torch.int8), torch.rand(1000) * 0.01)
+        head, scales = pack_q8(torch.randint(-127, 128, (1000, 576), dtype=torch.int8), torch.rand(1000) * 0.01)
         f = lambda x: k.q8_matmul(x, head, scales, 1000)  # noqa: E731
     else:
         packed = _pack(codes, d, m, kernel)
@@ -178,12 +180,12 @@ def test_x_rows_of_a_wider_tensor_are_read_in_place():
     """x may be a view with a row stride (a slice of qkv, say): the same result as a contiguous copy."""
     k = native_kernels()
     codes, d, m, _ = _q4_weight(64, 576, seed=5)
-    packed = native.pack_q4(codes, d, m)
+    packed = pack_q4(codes, d, m)
     wide = torch.randn(4, 1000)
     assert torch.equal(k.q4_matmul(wide[:, 100:676], packed, 64), k.q4_matmul(wide[:, 100:676].contiguous(), packed, 64))
 
 
-@pytest.mark.parametrize("kernel", [*native.Q4_KERNELS, "amx_tiles"])
+@pytest.mark.parametrize("kernel", [*Q4_KERNELS, "amx_tiles"])
 def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
     """A non-finite activation must not be quantized away into a plausible number: the row's outputs are
     NaN (the integer kernels: its block scale is NaN) or not finite (the float kernels: inf times a
@@ -197,7 +199,7 @@ def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
         x_bad = x.clone()
         x_bad[1, 17] = bad
         y = k.q4_matmul(x_bad, packed, 40, kernel)
-        integer = kernel in ("int", *native.DIGIT_KERNELS)
+        integer = kernel in ("int", *DIGIT_KERNELS)
         assert torch.isnan(y[1]).all() if integer else not torch.isfinite(y[1]).any(), bad
         assert torch.equal(y[0], clean[0]) and torch.equal(y[2], clean[2])
 
@@ -205,7 +207,7 @@ def test_a_nan_or_inf_in_a_row_reaches_its_outputs_and_no_other_row(kernel):
 def test_bad_arguments_are_refused_with_a_reason():
     k = native_kernels()
     codes, d, m, _ = _q4_weight(8, 64)
-    packed = native.pack_q4(codes, d, m)
+    packed = pack_q4(codes, d, m)
     with pytest.raises(ValueError, match="fp32 or bf16"):
         k.q4_matmul(torch.randn(2, 64, dtype=torch.float16), packed, 8)
     with pytest.raises(ValueError, match="contiguous rows"):
@@ -214,12 +216,12 @@ def test_bad_arguments_are_refused_with_a_reason():
         k.q4_matmul(torch.randn(2, 48), packed, 8)
     with pytest.raises(ValueError, match=r"\(2, 2, 80\) torch.uint8, where 9 outputs x 64 inputs .* are \(3, 2, 80\)"):
         k.q4_matmul(torch.randn(2, 64), packed, 9)  # a weight for other sizes
-    for kernel in native.Q4_ENTRIES:  # a weight in another kernel's layout would be read as garbage
-        other = "digits" if native.Q4_LAYOUT[kernel] == "quads" else "quads"
-        with pytest.raises(ValueError, match=f"pack it with pack_q4\\(..., layout='{native.Q4_LAYOUT[kernel]}'\\)"):
-            k.q4_matmul(torch.randn(2, 64), native.pack_q4(codes, d, m, layout=other), 8, kernel=kernel)
+    for kernel in Q4_ENTRIES:  # a weight in another kernel's layout would be read as garbage
+        other = "digits" if Q4_LAYOUT[kernel] == "quads" else "quads"
+        with pytest.raises(ValueError, match=f"pack it with pack_q4\\(..., layout='{Q4_LAYOUT[kernel]}'\\)"):
+            k.q4_matmul(torch.randn(2, 64), pack_q4(codes, d, m, layout=other), 8, kernel=kernel)
     assert k.q4_matmul(torch.randn(0, 64), packed, 8).shape == (0, 8)
-    # The library checks the arguments too, for its other callers (decode_layers.c)
+    # The library checks the arguments too, for its other callers (layers.c)
     with pytest.raises(RuntimeError, match="refused its arguments"):
         k._matmul("q4_matmul", torch.randn(2, 48), (packed,), 8, torch.float32)
 
@@ -233,8 +235,8 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
     k = native_kernels()
     other = other_build(tmp_path, march)
     codes, d, m, _ = _q4_weight(36, 576, seed=7)
-    packed = native.pack_q4(codes, d, m)
-    head, head_scales = native.pack_q8(torch.randint(-127, 128, (44, 2080), dtype=torch.int8), torch.rand(44) * 0.01)
+    packed = pack_q4(codes, d, m)
+    head, head_scales = pack_q8(torch.randint(-127, 128, (44, 2080), dtype=torch.int8), torch.rand(44) * 0.01)
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(5, 576) * 2).to(dtype)
         assert torch.equal(other.q4_matmul(x, packed, 36), k.q4_matmul(x, packed, 36)), dtype
@@ -274,7 +276,7 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
                          ids=["fp32", "bf16", "bf16-bf16dot", "fp32-f32", "bf16-f32", "bf16-amx", "fp32-vnni",
                               "fp32-avx2", "bf16-avx2"])
 def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dtype, matmuls):
-    """decode_layers.c runs every layer of a decode step in one call; the model's per-op path (one native
+    """layers.c runs every layer of a decode step in one call; the model's per-op path (one native
     call per kernel from Python) computes the same hidden states, logits and cache writes."""
     from common.engine.runner import DecodeItem, PrefillItem
 
@@ -301,35 +303,35 @@ def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dt
     assert torch.equal(runner.cache.kv, kv_after)
 
 
-def _bf16dot_kernels() -> native.DecodeKernels:
+def _bf16dot_kernels() -> DecodeKernels:
     k = native_kernels()
     if not k.has_bf16dot:
         pytest.skip("this build has no bf16 dot kernel (the CPU has no AVX512_BF16)")
     return k
 
 
-def _vnni_kernels() -> native.DecodeKernels:
+def _vnni_kernels() -> DecodeKernels:
     k = native_kernels()
     if not k.has_vnni:
         pytest.skip("this build has no VNNI kernel (the CPU has no AVX512_VNNI, or the compiler is not GCC 11+)")
     return k
 
 
-def _amx_kernels() -> native.DecodeKernels:
+def _amx_kernels() -> DecodeKernels:
     k = native_kernels()
     if not k.has_amx:
         pytest.skip("this build or host has no AMX kernel (the CPU has no AMX_INT8, or the OS did not grant it)")
     return k
 
 
-def _avx2_digits_kernels() -> native.DecodeKernels:
+def _avx2_digits_kernels() -> DecodeKernels:
     k = native_kernels()
     if not k.has_avx2_digits:
         pytest.skip("this build has no int8 digit kernels (the compiler is not GCC 11+, or the build has no AVX2)")
     return k
 
 
-def _kernels_for(kernel: str) -> native.DecodeKernels:
+def _kernels_for(kernel: str) -> DecodeKernels:
     return {"bf16dot": _bf16dot_kernels, "vnni": _vnni_kernels, "amx": _amx_kernels, "amx_tiles": _amx_kernels,
             "avx2": _avx2_digits_kernels}.get(kernel, native_kernels)()
 
@@ -354,7 +356,7 @@ def test_q4_by_int8_digits_is_the_files_weights_times_x_within_the_quantization_
     else:
         assert torch.equal(y, k.q4_matmul(x.float(), packed, 102, kernel=kernel).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        k._matmul(native.Q4_ENTRIES[kernel], torch.randn(2, 48), (packed,), 8, torch.float32)
+        k._matmul(Q4_ENTRIES[kernel], torch.randn(2, 48), (packed,), 8, torch.float32)
 
 
 @pytest.mark.parametrize("kernel", ["bf16dot"])
@@ -384,7 +386,7 @@ def test_q4_by_the_bf16_dot_is_the_files_exact_weights_times_x_in_bf16(dtype, ke
         assert (err <= sums_bound).all(), f"worst {err.max():.3g} against {sums_bound.flat[err.argmax()]:.3g}"
         assert np.median(err / scale) < 1e-7  # the weights are not rounded (dequantized to bf16: ~1e-4)
     with pytest.raises(RuntimeError, match="refused its arguments"):
-        k._matmul(native.Q4_ENTRIES[kernel], torch.randn(2, 48), (packed,), 8, torch.float32)
+        k._matmul(Q4_ENTRIES[kernel], torch.randn(2, 48), (packed,), 8, torch.float32)
 
 
 def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads():
@@ -392,7 +394,7 @@ def test_q4_by_the_bf16_dot_gives_a_row_the_same_bits_whatever_the_batch_and_the
     in any tile, and on 1 or 2 threads, a row gets its bits alone."""
     k = _bf16dot_kernels()
     codes, d, m, _ = _q4_weight(200, 1536, seed=3)
-    packed = native.pack_q4(codes, d, m)
+    packed = pack_q4(codes, d, m)
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(32, 1536, generator=gen) * 3).to(torch.bfloat16)
     _assert_rows_batch_invariant({"q4 bf16dot": lambda x: k.q4_matmul(x, packed, 200, kernel="bf16dot")}, rows, gen)
@@ -460,7 +462,7 @@ def test_q4_in_fp32_gives_a_row_the_same_bits_whatever_the_batch_and_the_threads
     quad; either way, and on 1 or 2 threads, a row gets its bits alone."""
     k = native_kernels()
     codes, d, m, _ = _q4_weight(200, 1536, seed=3)
-    packed = native.pack_q4(codes, d, m)
+    packed = pack_q4(codes, d, m)
     gen = torch.Generator().manual_seed(4)
     rows = (torch.randn(32, 1536, generator=gen) * 3).to(dtype)
     _assert_rows_batch_invariant({"q4 f32": lambda x: k.q4_matmul(x, packed, 200, "f32")}, rows, gen)

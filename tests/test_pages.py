@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine import native, pages
+from common.engine import pages
+from common.engine.native.packing import pack_q4, pack_q8
 from tests.test_native_matmul import _q4_weight
 
 
@@ -63,22 +64,22 @@ def test_the_arena_hands_out_aligned_disjoint_ranges_that_outlive_it():
 def test_packing_into_an_arena_gives_the_same_bytes():
     codes, d, m, _ = _q4_weight(102, 576)
     arena = pages.WeightArena()
-    assert torch.equal(native.pack_q4(codes, d, m, arena), native.pack_q4(codes, d, m))
-    digits = native.pack_q4(codes, d, m, arena, layout="digits")
-    assert torch.equal(digits, native.pack_q4(codes, d, m, layout="digits"))
+    assert torch.equal(pack_q4(codes, d, m, arena), pack_q4(codes, d, m))
+    digits = pack_q4(codes, d, m, arena, layout="digits")
+    assert torch.equal(digits, pack_q4(codes, d, m, layout="digits"))
     rng = np.random.default_rng(3)
     q8 = torch.from_numpy(rng.integers(-127, 128, (102, 576), dtype=np.int8))
     scales = torch.rand(102)
-    (a, sa), (b, sb) = native.pack_q8(q8, scales, arena), native.pack_q8(q8, scales)
+    (a, sa), (b, sb) = pack_q8(q8, scales, arena), pack_q8(q8, scales)
     assert torch.equal(a, b) and torch.equal(sa, sb) and a.dtype == torch.int8
 
 
 def test_the_digit_layout_unpacks_to_the_files_codes_and_scales():
-    """pack_q4's layout for the int8 digit kernels, read back as decode_matmul.c reads it: per group of 16
+    """pack_q4's layout for the int8 digit kernels, read back as matmul_q4_digits.c reads it: per group of 16
     outputs and block, chunk k's low nibbles are inputs 4k..4k+3 and its high ones 16+4k.., byte 4n + t of
     output n; then 16 fp16 d, 16 fp16 m. 102 outputs: 7 groups, the last 10 outputs zero."""
     codes, d, m, _ = _q4_weight(102, 576)
-    rec = native.pack_q4(codes, d, m, layout="digits").numpy()
+    rec = pack_q4(codes, d, m, layout="digits").numpy()
     assert rec.shape == (7, 18, 320)
     chunks = rec[:, :, :256].reshape(7, 18, 4, 16, 4)  # [group, block, k, n, t]
     inputs = np.concatenate([chunks & 15, chunks >> 4], axis=2)  # [group, block, 4 k + t / 4, n, t]
@@ -88,7 +89,7 @@ def test_the_digit_layout_unpacks_to_the_files_codes_and_scales():
         got = rec[:, :, at:at + 32].copy().view(np.float16).transpose(0, 2, 1).reshape(112, 18).astype(np.float32)
         assert (got[:102] == want).all() and not got[102:].any()
     with pytest.raises(ValueError, match="layout 'rows' is not one of"):
-        native.pack_q4(codes, d, m, layout="rows")
+        pack_q4(codes, d, m, layout="rows")
 
 
 @needs_madvise_mode

@@ -6,7 +6,6 @@ decode are two entry points of the same weights.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -16,6 +15,9 @@ import torch.nn.functional as F
 
 from common.engine import native, pages
 from common.engine.config import ModelConfig
+from common.engine.native.bindings import DecodeKernels, layer_pointers
+from common.engine.native.choice import MATMUL_MODES, Q4_LAYOUT, matmuls_mode, runnable_mode
+from common.engine.native.packing import pack_q4, pack_q8
 from common.engine.weights import release_freed_pages
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,7 @@ def native_covers(c: ModelConfig) -> bool:
 class Int8Linear:
     """A weight as int8 codes with one scale per output row: the decode LM head, half a 16-bit head's bytes.
 
-    With the native kernels (decode_matmul.c) the codes are widened to fp32 on the fly and multiplied
+    With the native kernels (matmul_q8_head.c) the codes are widened to fp32 on the fly and multiplied
     with the fp32 activations, each row's sums in a fixed order, so a row's logits never depend on the
     batch (invariant 4). Without them, on the CPU, the activations are quantized too, each row to two
     int8 digits with its own scale, and the product is integer (`torch._int_mm`, int32 accumulation):
@@ -102,7 +104,7 @@ class Int8Linear:
     either way: the best REFINE_TOP of each row are then recomputed in fp32.
     """
 
-    def __init__(self, weight: torch.Tensor, device, kernels: native.DecodeKernels | None = None,
+    def __init__(self, weight: torch.Tensor, device, kernels: DecodeKernels | None = None,
                  arena: pages.WeightArena | None = None):
         w = weight.to(device=device, dtype=torch.float32)
         # max |w| per row without a full-size |w| temporary (the LM head is the largest weight)
@@ -113,7 +115,7 @@ class Int8Linear:
         self.integer = self.kernels is None and codes.device.type == "cpu"
         self.scales_fp32 = scales
         if self.kernels is not None:
-            self.codes, self.scales_fp32 = native.pack_q8(codes, scales, arena)
+            self.codes, self.scales_fp32 = pack_q8(codes, scales, arena)
         else:  # _int_mm wants [in, out]; contiguous, it ran 1.70 against 2.06 ms for two rows (a transposed view)
             self.codes = codes.t().contiguous() if self.integer else codes.contiguous()
         self.scales = scales.to(torch.bfloat16)  # the weight-only kernel's (off the CPU)
@@ -141,7 +143,7 @@ class Int8Linear:
 class Int4Linear:
     """A weight in the model file's 4-bit blocks: w = q * d + m per 32 inputs (GGUF Q4_0 / Q4_1).
 
-    With the native kernels (decode_matmul.c) it stays in the file's layout, fp16 d and m exact, and the
+    With the native kernels (native/csrc/matmul_q4_*.c) it stays in the file's layout, fp16 d and m exact, and the
     product takes the activations as 16-bit integers per block (the integer kernel), in bf16 (bf16dot:
     the bf16 dot kernel, CPUs with AVX512_BF16, the codes exact in bf16) or in fp32 (f32): the same
     weights as the dense path,
@@ -150,18 +152,18 @@ class Int4Linear:
     rows was 10-20x slower here (an AVX2 host).
     """
 
-    def __init__(self, parts: list, device, kernels: native.DecodeKernels | None = None, kernel: str = "int",
+    def __init__(self, parts: list, device, kernels: DecodeKernels | None = None, kernel: str = "int",
                  arena: pages.WeightArena | None = None):
         codes = np.concatenate([p.codes for p in parts])  # [out, in] 0..15
         scales = np.concatenate([p.scales for p in parts])
         mins = np.concatenate([p.mins for p in parts])
         self.group = parts[0].GROUP
         self.kernels = kernels
-        self.kernel = kernel  # one of native.Q4_KERNELS, with kernels
+        self.kernel = kernel  # one of native.choice.Q4_KERNELS, with kernels
         self.out_features = codes.shape[0]
         if kernels is not None:
             # the file's codes and fp16 scales, exactly, in the kernel's order
-            self.packed = native.pack_q4(codes, scales, mins, arena, native.Q4_LAYOUT[kernel])
+            self.packed = pack_q4(codes, scales, mins, arena, Q4_LAYOUT[kernel])
             self.nbytes = self.packed.numel()
             return
         zeros = mins + 8 * scales
@@ -189,9 +191,9 @@ class Llama(torch.nn.Module):
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  int4: dict | None = None, native_matmuls: bool | str | None = None):
-        """native_matmuls: how the packed weights are multiplied, one of native.MATMUL_MODES ("int":
-        decode_matmul.c's integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one;
-        "vnni": its int8 digit kernel; "amx": that kernel with AMX tiles from 13 rows (the same bits);
+        """native_matmuls: how the packed weights are multiplied, one of native.choice.MATMUL_MODES ("int":
+        the native integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one; "vnni":
+        its int8 digit kernel; "amx": that kernel with AMX tiles from 13 rows (the same bits);
         "torch": torch's int4 kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by
         default by the CPU); attention and the row-wise ops are native either way, where the library
         builds."""
@@ -209,7 +211,7 @@ class Llama(torch.nn.Module):
         def w32(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
-        # Decode's native kernels (common/engine/native.py: attention over the paged cache in place, the
+        # Decode's native kernels (common/engine/native: attention over the paged cache in place, the
         # row-wise ops fused, the packed-weight matmuls), where they build and suit the dtype and shape;
         # else decode runs torch ops.
         kernels = native.kernel() if self.device.type == "cpu" else None
@@ -218,41 +220,13 @@ class Llama(torch.nn.Module):
 
         mode = {True: "int", False: "torch"}.get(native_matmuls, native_matmuls)
         if mode is None:
-            mode, why = native.matmuls_mode()
+            mode, why = matmuls_mode()
             if self.kernels is not None and self.has_int4:
                 log.info("decode's packed-weight matmuls: %s", why)
-        if mode not in native.MATMUL_MODES:
-            raise ValueError(f"native_matmuls={native_matmuls!r}: use one of {native.MATMUL_MODES}, True or False")
-        if mode == "amx" and self.kernels is not None and not self.kernels.has_amx:
-            # A library or a kernel without it (GCC < 11, or Linux < 5.16, which cannot grant the tile state;
-            # or no AMX_INT8 under HANDOFF_NATIVE_MATMUL=amx): the same kernel's vector half, whose bits
-            # are the same, where it runs.
-            log.warning("decode's packed-weight matmuls: the native library cannot run its AMX kernel here "
-                        "(this CPU has no AMX_INT8, the kernel did not grant the tile state, or the library "
-                        "was built without the kernel); using its AVX512_VNNI half instead")
-            mode = "vnni"
-        if mode == "vnni" and self.kernels is not None and not self.kernels.has_vnni:
-            # The same kernel's AVX2 unit: the same bits again, on any CPU the library runs on.
-            log.warning("decode's packed-weight matmuls: the native library cannot run its VNNI kernel here "
-                        "(this CPU has no AVX512_VNNI, or the library was built without the kernel); using "
-                        "its AVX2 unit instead (the same bits)")
-            mode = "avx2"
-        if mode == "avx2" and self.kernels is not None and not self.kernels.has_avx2_digits:
-            # A library without the int8 digit kernels (built by a compiler other than GCC >= 11, or for a
-            # CPU without AVX2): bf16dot where it runs, else the fp32 kernel (every library has it), never
-            # torch's int4 kernel (10-20x slower on AVX2 hosts at 8-32 rows).
-            mode = "bf16dot" if self.kernels.has_bf16dot else "f32"
-            log.warning("decode's packed-weight matmuls: the native library has no int8 digit kernel (it was "
-                        "built by a compiler other than GCC 11 or later, or without AVX2); using the %s kernel "
-                        "instead", "bf16 dot" if mode == "bf16dot" else "fp32")
-        if mode == "bf16dot" and self.kernels is not None and not self.kernels.has_bf16dot:
-            # A library without it (a compiler other than GCC >= 10 on a host without AVX512_BF16, or a CPU
-            # without it under HANDOFF_NATIVE_MATMUL=bf16): torch's int4 kernel has the same kind of
-            # numerics and multiplies bf16 natively where this kernel would have.
-            log.warning("decode's packed-weight matmuls: the native library cannot run its bf16 dot kernel "
-                        "here (this CPU has no AVX512_BF16, or the library was built without the kernel); "
-                        "using torch's int4 kernel instead")
-            mode = "torch"
+        if mode not in MATMUL_MODES:
+            raise ValueError(f"native_matmuls={native_matmuls!r}: use one of {MATMUL_MODES}, True or False")
+        if self.kernels is not None:
+            mode = runnable_mode(mode, self.kernels)
         self.matmuls = mode if self.kernels is not None else "torch"  # how the packed weights are multiplied
         matmul_kernels = self.kernels if mode != "torch" else None
         # The packed weights decode streams every step, together in huge pages (common/engine/pages.py).
@@ -308,15 +282,14 @@ class Llama(torch.nn.Module):
             self.cos_local, self.sin_local = cos.to(dtype), sin.to(dtype)
         # Gemma: embeddings times sqrt(hidden), HF's normalizer in fp32 (the residual stream's dtype here).
         self.embed_scale = float(torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32)) if arch.embed_scaled else None
-        # The whole int4 layer stack in one native call (decode_layers.c), where every layer has its packed
-        # weights: 6 pointers a layer, into tensors the layers hold.
+        # The whole int4 layer stack in one native call (native/csrc/layers.c), where every layer has its
+        # packed weights: pointers into tensors the layers hold.
         self.native_layers = None
         if self.kernels is not None and all(layer[n] is not None and layer[n].kernels is not None
                                             for layer in self.layers for n in ("wqkv4", "wo4", "w134", "w24")):
-            self.native_layers = (ctypes.c_void_p * (6 * c.num_layers))(*[
-                t.data_ptr() for layer in self.layers for t in (
-                    layer["attn_norm"], layer["wqkv4"].packed, layer["wo4"].packed, layer["mlp_norm"],
-                    layer["w134"].packed, layer["w24"].packed)])
+            self.native_layers = layer_pointers([
+                (layer["attn_norm"], layer["wqkv4"].packed, layer["wo4"].packed, layer["mlp_norm"],
+                 layer["w134"].packed, layer["w24"].packed) for layer in self.layers])
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
@@ -436,7 +409,7 @@ class Llama(torch.nn.Module):
         return F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight_fp32: torch.Tensor,
-                  native_ops: native.DecodeKernels | None) -> torch.Tensor:
+                  native_ops: DecodeKernels | None) -> torch.Tensor:
         """h += delta (in place; None adds nothing), then RMSNorm(h) in the model's dtype."""
         if native_ops is not None:
             return native_ops.add_rms_norm(h, delta, weight_fp32, self.config.rms_norm_eps, self.dtype)
@@ -548,7 +521,7 @@ class Llama(torch.nn.Module):
         decoding is exact and sampling differs only in the tail.
         """
         logits = self.lm_head_int8(hidden).float()
-        if self.kernels is not None and self.config.hidden_size % 8 == 0:  # decode_logits.c: the same, row by row
+        if self.kernels is not None and self.kernels.refines(self.config.hidden_size):  # logits.c, row by row
             return self._softcap(self.kernels.refine_top(logits.contiguous(), hidden.float().contiguous(),
                                                          self.lm_head_exact, self.REFINE_TOP))
         return self._softcap(self._refine(logits, hidden))

@@ -114,6 +114,24 @@ def test_dockerfile_selects_torch_by_build_arg_and_builds_the_stubs():
     assert "python -m protos.build" in final_runs, "stubs are generated in the image (its root FS is read-only)"
 
 
+def test_dockerfile_builds_the_native_library_and_points_the_engine_at_it():
+    """The runtime image has no compiler: the builder stage builds decode's native kernels for any AVX2 host
+    with the package's own entry point, and the runtime stage copies that library in and names it in
+    HANDOFF_NATIVE_LIBRARY, which the engine loads as it is."""
+    from common.engine.native.build import ENV_LIBRARY
+    instructions = stages(dockerfile_instructions())
+    builder_runs = " ".join(args for kw, args in instructions[0] if kw == "RUN")
+    built = re.search(r"python -m (\S+) --portable (\S+)", builder_runs)
+    assert built, "the builder stage runs python -m common.engine.native --portable OUT"
+    module, library = built.groups()
+    assert module == "common.engine.native" and module_entry_exists(module), f"{module}: no such entry point"
+    final = instructions[-1]
+    assert any(kw == "COPY" and "--from=" in args and library.startswith(args.split()[-1]) for kw, args in final), \
+        f"the runtime stage copies {library} from the builder"
+    envs = " ".join(args for kw, args in final if kw == "ENV")
+    assert f"{ENV_LIBRARY}={library}" in envs, f"the runtime stage sets {ENV_LIBRARY}={library}"
+
+
 def dockerignore_excludes(rel_path: str, patterns: list[str]) -> bool:
     """Docker's rule: the last pattern matching the path, or one of its parent folders, wins."""
     parts = rel_path.split("/")
@@ -158,7 +176,7 @@ def test_dockerfile_copies_exist_and_survive_the_dockerignore():
             generated = re.search(r"_pb2(_grpc)?\.pyi?$", rel) or "__pycache__" in rel or rel.endswith(".pyc")
             if generated:
                 assert dockerignore_excludes(rel, patterns), f"{rel} is generated: rebuild it in the image"
-            elif f.suffix in (".py", ".proto", ".txt"):
+            elif f.suffix in (".py", ".proto", ".txt", ".c", ".h"):  # .c, .h: the native library's sources
                 assert not dockerignore_excludes(rel, patterns), f"{rel} is copied but the dockerignore drops it"
 
 

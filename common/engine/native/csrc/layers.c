@@ -1,54 +1,32 @@
-/* A decode step's whole layer stack in one call (common/engine/native.py, Llama.forward): the same kernels
- * the model otherwise calls one by one from Python (decode_kernels.c, decode_matmul.c), in the same order
- * on the same buffers, so the bits are the same; only the ~9 Python calls a layer (12 us each, about a
- * fifth of a one-row step) are gone.
+/* A decode step's whole layer stack in one call (common/engine/native, Llama.forward): the same kernels the
+ * model otherwise calls one by one from Python (attention.c, rowwise.c, matmul_q4_*.c), in the same order on
+ * the same buffers, so the bits are the same; only the ~9 Python calls a layer are gone (docs/benchmarks.md,
+ * "Figures behind the code": The layer stack in one call).
  *
  * Per layer, with h the fp32 residual [rows, hidden] and `delta` the last sublayer's output:
  *   x = RMSNorm(h += delta) * attn_norm;  qkv = x @ wqkv;  rotary + K/V write;  o = attention(q, cache)
  *   x = RMSNorm(h += o @ wo) * mlp_norm;   delta = silu(x @ w1) * (x @ w3) @ w2
- * and h += delta after the last layer. The weights are the packed Q4 layout of decode_matmul.c, multiplied
- * by its integer, bf16 dot, fp32, AMX or VNNI kernel (q4_kernel, the model's choice: native.matmuls_mode).
+ * and h += delta after the last layer. The weights are packed for one of the Q4 kernels, which multiplies
+ * them: integer, bf16 dot, fp32, or int8 digits by AMX, VNNI or AVX2 (q4_kernel, numbered in
+ * handoff_native.h; the model's choice: native/choice.py).
  */
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-/* decode_matmul.c and decode_kernels.c, linked into the same library */
-int q4_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed, int64_t out,
-              int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
-int q4_matmul_bf16dot(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                      int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
-int q4_matmul_f32(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                  int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
-int q4_matmul_amx(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                  int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
-int q4_matmul_vnni(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                   int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
-int q4_matmul_avx2(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
-                   int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
-typedef int (*q4_fn)(const void *, int, int64_t, int64_t, const uint8_t *, int64_t, int64_t, void *, int, int64_t,
-                     int64_t);
-
-enum { Q4_INT = 0, Q4_BF16DOT = 1, Q4_F32 = 2, Q4_AMX = 3, Q4_VNNI = 4, Q4_AVX2 = 5 }; /* native.Q4_KERNELS' order */
-
-#define LAYER_POINTERS 6 /* attn_norm, wqkv, wo, mlp_norm, w13, w2 */
+#include "handoff_native.h"
 
 #define DEFINE_DECODE_LAYERS(NAME, T, IS_BF16, ADD_RMS_NORM, ROPE_KV_WRITE, ATTENTION, SILU_MUL)        \
-int ADD_RMS_NORM(float *h, const T *delta, const float *w, int64_t rows, int64_t dim, float eps, T *out); \
-int ROPE_KV_WRITE(T *qkv, const T *cos, const T *sin, const int64_t *positions, int64_t rows, int64_t heads, \
-                  int64_t kv_heads, int64_t dim, T *kv, const int64_t *slots);                         \
-int ATTENTION(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_t table_stride,   \
-              const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads, int64_t dim, float scale, \
-              T *out, int64_t rows, int64_t threads);                                                  \
-int SILU_MUL(const T *gate_up, int64_t rows, int64_t width, T *out, int64_t threads);                  \
 int NAME(float *h, int64_t rows, int64_t num_layers, void *const *weights, T *kv, int64_t layer_stride, \
          const T *cos, const T *sin, const int64_t *positions, const int64_t *slots, const int64_t *table,  \
          int64_t table_stride, const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads,     \
          int64_t head_dim, int64_t hidden, int64_t ffn, float eps, float attn_scale, int64_t threads,   \
          int64_t attn_threads, int64_t q4_kernel) {                                                    \
-    const q4_fn q4 = q4_kernel == Q4_BF16DOT ? q4_matmul_bf16dot : q4_kernel == Q4_F32 ? q4_matmul_f32      \
-                     : q4_kernel == Q4_AMX ? q4_matmul_amx : q4_kernel == Q4_VNNI ? q4_matmul_vnni       \
-                     : q4_kernel == Q4_AVX2 ? q4_matmul_avx2 : q4_matmul;                                \
+    q4_matmul_fn *const q4 = q4_kernel == Q4_KERNEL_BF16DOT ? q4_matmul_bf16dot                        \
+                             : q4_kernel == Q4_KERNEL_F32 ? q4_matmul_f32                              \
+                             : q4_kernel == Q4_KERNEL_AMX ? q4_matmul_amx                              \
+                             : q4_kernel == Q4_KERNEL_VNNI ? q4_matmul_vnni                            \
+                             : q4_kernel == Q4_KERNEL_AVX2 ? q4_matmul_avx2 : q4_matmul;               \
     const int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim;           \
     const int64_t widest = 2 * ffn > qkv_width ? 2 * ffn : qkv_width;                                  \
     /* x, delta [rows, hidden]; wide (qkv or gate_up) [rows, widest]; o [rows, q_width]; act [rows, ffn] */ \

@@ -1,17 +1,16 @@
-/* The decode step's native kernels (common/engine/native.py). First, decode attention that reads the
- * paged K/V cache in place.
+/* Decode attention that reads the paged K/V cache in place (common/engine/native).
  *
  * One query per row, each row attending to positions 0 .. len-1 of its own sequence through its block
  * table. The eager path gathers every row's context into a padded copy, widens it to fp32 and calls
  * SDPA: three passes over the context's bytes plus a mask. This reads each K and V row once, where it
  * lies, and accumulates in fp32.
  *
- * Invariant 4 (a row's result never depends on the other rows): a work item is one (row, query head) pair
- * (one row alone on several threads: its positions for the scores, its dims for V) and reads nothing of
- * other rows; every sum runs in a fixed order that depends only on the row's own length (16 fixed lanes
- * over head_dim, then a fixed tree; positions in order), never on addresses or on how the work is split
- * between threads. Built without -ffast-math for that reason: the compiler
- * may not reassociate a sum. exp is a polynomial in plain C so that it vectorizes without libmvec.
+ * Invariant 4 (same tokens whatever the batch) needs a row's result never to depend on the other rows: a work
+ * item is one (row, query head) pair (one row alone on several threads: its positions for the scores, its
+ * dims for V) and reads nothing of other rows; every sum runs in a fixed order that depends only on the row's
+ * own length (16 fixed lanes over head_dim, then a fixed tree; positions in order), never on addresses or on
+ * how the work is split between threads. Built without -ffast-math for that reason: the compiler may not
+ * reassociate a sum. exp is a polynomial in plain C so that it vectorizes without libmvec.
  *
  * Layouts (elements, not bytes):
  *   q     [rows, heads, dim], row stride q_stride, head stride dim
@@ -33,40 +32,9 @@
 #define ATTENTION_AVX2 1
 #endif
 
-#include "decode_bf16.h"
-
-#define LANES 16
-#define MAX_GROUP 16
-#define MAX_HEADS 256
-
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), |r| <= ln2 / 2, about 2 ulp. */
-static inline float exp_nonpositive(float x_in) {
-    /* Branch-free (selects, which -fno-trapping-math lets GCC blend: native.FLAGS) so that loops over it
-     * vectorize. */
-    const float x = x_in < -87.0f ? -87.0f : x_in;
-    /* x * log2(e) rounded to an integer: adding and removing 1.5 * 2^23 leaves no fraction (|x| < 2^22) */
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187045e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, sizeof scale);
-    return x_in < -87.0f ? 0.0f : p * scale;
-}
-
-static inline float sum_lanes(const float *l) { /* a fixed tree over the 16 lanes */
-    float a[8];
-    for (int i = 0; i < 8; i++) a[i] = l[i] + l[i + 8];
-    for (int i = 0; i < 4; i++) a[i] = a[i] + a[i + 4];
-    return (a[0] + a[2]) + (a[1] + a[3]);
-}
+#include "bf16.h"
+#include "float_math.h"
+#include "handoff_native.h"
 
 #ifdef ATTENTION_AVX512
 /* sum_lanes of 16 vectors at once, the same additions on the same operands (so the same bits): the pairs
@@ -130,8 +98,6 @@ static inline void prefetch_heads(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
 }
 
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
 /* Scores of one block's n positions for query heads hq0 .. hq1 - 1 (q already scaled, fp32): scores[hq *
  * len + i] = q . k, 16 lanes (lane l: dims l, 16 + l, ...; a fused multiply-add each, from zero), then
  * sum_lanes; and each head's running maximum. `next` (the following block, or NULL) is prefetched a
@@ -221,13 +187,14 @@ static inline void NAME(const float *restrict qf, const T *restrict slots, const
 DEFINE_SCORES(scores_bf16, uint16_t, bf16_to_f32, VEC_LOAD_BF16)
 DEFINE_SCORES(scores_f32, float, LOAD_F32, VEC_LOAD_F32)
 
-/* The weighted sum of V, acc[hq * dim + d] = sum over positions p, in order, of w[hq, p] * v[p, d], for
- * query heads hq0 .. hq1 - 1. Each term is one fused multiply-add into the running sum, from zero: the
- * same operations as the plain loop below it (which -ffp-contract=fast fuses the same way), so the same
- * bits. At head_dim 64 with AVX-512 the sums stay in registers, V_TILE query heads (4 vectors each) at a
- * time, and a KV head's V row is widened to fp32 once for the query heads of the tile that read it: the
- * plain loop loaded, widened and stored the sums again for every position and query head (1 row of 1,024
- * positions took 146 us a layer, most of it here). Returns 0, or -1 where the fast path does not apply. */
+/* The weighted sum of V, acc[hq * dim + d] = sum over positions p, in order, of w[hq, p] * v[p, d], for query
+ * heads hq0 .. hq1 - 1. Each term is one fused multiply-add into the running sum, from zero: the same
+ * operations as the plain loop below it (which -ffp-contract=fast fuses the same way), so the same bits. At
+ * head_dim 64 with AVX-512 the sums stay in registers, V_TILE query heads (4 vectors each) at a time, and a
+ * KV head's V row is widened to fp32 once for the query heads of the tile that read it: the plain loop
+ * loaded, widened and stored the sums again for every position and query head, most of a long row's time
+ * (docs/benchmarks.md, "Figures behind the code": Weighted V in registers). Returns 0, or -1 where the fast
+ * path does not apply. */
 #define V_TILE 5
 #ifdef ATTENTION_AVX512
 #define DEFINE_WEIGHTED_V(NAME, T, VLOAD)                                                              \
@@ -331,14 +298,14 @@ static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_
 DEFINE_WEIGHTED_V(weighted_v_bf16, uint16_t, VEC_LOAD_BF16)
 DEFINE_WEIGHTED_V(weighted_v_f32, float, VEC_LOAD_F32)
 
-/* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the
- * slot's K (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of
- * every 1,536 bytes and waited on memory: 4 rows of 1,500 positions took 2 ms a layer in fp32). The next
- * block is prefetched while one is read, for scores and for V alike. Pointers are restrict:
- * with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked block by
- * block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items are
- * query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV
- * heads the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
+/* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the slot's K
+ * (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of every 1,536 bytes
+ * and waited on memory: docs/benchmarks.md, "Figures behind the code": Attention reads a row's heads
+ * together). The next block is prefetched while one is read, for scores and for V alike. Pointers are
+ * restrict: with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked
+ * block by block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items
+ * are query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV heads
+ * the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
 #define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE, SCORES, WEIGHTED_V)                                \
 static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
                 int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
@@ -409,9 +376,8 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
  * order: every thread adds each head's softmax total position by position, and the weighted V is split by
  * dims, each thread summing every position into its own V_SPLIT_DIMS dims of every head. Two barriers; the
  * AVX-512 build keeps the split by query heads (ROW_SPLIT 0). */
-/* Below this many positions the split by query heads is as fast (two barriers cost what the balance saves):
- * one row, 2 threads, fp32, 30 layers' K/V in turn, old / new: 6.9 / 7.6 us at 40 positions, 18.3 / 17.9 at
- * 150, 72.5 / 59.7 at 500, 206.5 / 147.7 at 1,032, 599 / 468 at 4,000 (Zen 3 VM, AVX2 only). */
+/* Below this many positions the split by query heads is as fast (two barriers cost what the balance saves:
+ * docs/benchmarks.md, "Figures behind the code": One row's attention split by positions). */
 #define ROW_SPLIT_MIN 128
 #if defined(ATTENTION_AVX512)
 #define ROW_SPLIT 0
@@ -506,7 +472,7 @@ static int NAME(const T *restrict q, const T *restrict kv, const int64_t *restri
 int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_t table_stride,        \
          const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads, int64_t dim, float scale, \
          T *out, int64_t rows, int64_t threads) {                                                      \
-    if (heads % kv_heads || heads / kv_heads > MAX_GROUP || heads > MAX_HEADS || dim % LANES || dim > 256 \
+    if (heads % kv_heads || heads / kv_heads > MAX_HEADS_PER_KV || heads > MAX_HEADS || dim % LANES || dim > MAX_HEAD_DIM \
         || block <= 0)                                                                                 \
         return -1;                                                                                     \
     const int64_t items = rows * heads, group = heads / kv_heads;                                      \
@@ -571,79 +537,3 @@ DEFINE_ATTENTION_ROW(attention_row_bf16, uint16_t, bf16_to_f32, f32_to_bf16, sco
 DEFINE_ATTENTION_ROW(attention_row_f32, float, LOAD_F32, STORE_F32, scores_f32, weighted_v_f32)
 DEFINE_ATTENTION(decode_attention_bf16, attention_items_bf16, attention_row_bf16, uint16_t)
 DEFINE_ATTENTION(decode_attention_f32, attention_items_f32, attention_row_f32, float)
-
-/* ---- The small row-wise ops around a decode layer's matmuls, fused: one call each instead of 5-10
- * torch ops (about 40 us of a 1-row step's 50 each, most of it per-op overhead). Rows are independent
- * and every sum has a fixed order, as above. */
-
-/* h [rows, dim] fp32 residual += delta (model dtype, or NULL), then out = RMSNorm(h) * w in the model
- * dtype: (h * (1 / sqrt(mean(h^2) + eps))) * w, as F.rms_norm; out NULL: the add alone. */
-#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE)                                                       \
-int NAME(float *h, const T *delta, const float *w, int64_t rows, int64_t dim, float eps, T *out) {    \
-    if (dim % LANES) return -1;                                                                        \
-    for (int64_t r = 0; r < rows; r++) {                                                               \
-        float *x = h + r * dim;                                                                        \
-        if (delta)                                                                                     \
-            for (int64_t d = 0; d < dim; d++) x[d] += LOAD(delta[r * dim + d]);                        \
-        if (!out) continue;                                                                            \
-        float lanes[LANES] = {0};                                                                      \
-        for (int64_t d0 = 0; d0 < dim; d0 += LANES)                                                    \
-            for (int l = 0; l < LANES; l++) lanes[l] += x[d0 + l] * x[d0 + l];                         \
-        const float inv = 1.0f / sqrtf(sum_lanes(lanes) / (float)dim + eps);                           \
-        for (int64_t d = 0; d < dim; d++) out[r * dim + d] = STORE((x[d] * inv) * w[d]);               \
-    }                                                                                                  \
-    return 0;                                                                                          \
-}
-
-/* qkv [rows, (heads + 2 kv_heads) * dim], model dtype: rotate the q and k heads in place at each row's
- * position (HF's rotate_half: x * cos + rotate_half(x) * sin, each product rounded to the dtype as torch
- * does), then copy the row's K and V (adjacent in qkv, as in a cache slot) into kv at slots[row]. */
-#define DEFINE_ROPE_KV_WRITE(NAME, T, LOAD, STORE)                                                      \
-int NAME(T *qkv, const T *cos, const T *sin, const int64_t *positions, int64_t rows, int64_t heads,   \
-         int64_t kv_heads, int64_t dim, T *kv, const int64_t *slots) {                                 \
-    const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim, slot_width = 2 * kv_heads * dim; \
-    if (dim % 2 || dim > 512) return -1;                                                               \
-    for (int64_t r = 0; r < rows; r++) {                                                               \
-        T *row = qkv + r * width;                                                                      \
-        const T *c = cos + positions[r] * dim, *s = sin + positions[r] * dim;                          \
-        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {                                            \
-            T *x = row + hd * dim;                                                                     \
-            float rotated[512];                                                                        \
-            for (int64_t d = 0; d < half; d++) {                                                       \
-                rotated[d] = -LOAD(x[d + half]);                                                       \
-                rotated[d + half] = LOAD(x[d]);                                                        \
-            }                                                                                          \
-            for (int64_t d = 0; d < dim; d++) {                                                        \
-                const float a = LOAD(STORE(LOAD(x[d]) * LOAD(c[d])));                                  \
-                const float b = LOAD(STORE(rotated[d] * LOAD(s[d])));                                  \
-                x[d] = STORE(a + b);                                                                   \
-            }                                                                                          \
-        }                                                                                              \
-        memcpy(kv + slots[r] * slot_width, row + heads * dim, sizeof(T) * (size_t)slot_width);         \
-    }                                                                                                  \
-    return 0;                                                                                          \
-}
-
-/* gate_up [rows, 2 * width] model dtype -> out [rows, width]: silu(gate) * up, silu rounded to the dtype
- * before the product as F.silu(gate) * up does. Rows split between `threads` (torch's OpenMP team). */
-#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                           \
-int NAME(const T *restrict gate_up, int64_t rows, int64_t width, T *restrict out, int64_t threads) {  \
-    _Pragma("omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1)")                 \
-    for (int64_t r = 0; r < rows; r++) {                                                               \
-        const T *g = gate_up + r * 2 * width, *u = g + width;                                          \
-        for (int64_t d = 0; d < width; d++) {                                                          \
-            const float x = LOAD(g[d]);                                                                \
-            const float e = exp_nonpositive(x < 0.0f ? x : -x); /* exp(-|x|) <= 1 */                 \
-            const float sig = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);                           \
-            out[r * width + d] = STORE(LOAD(STORE(x * sig)) * LOAD(u[d]));                             \
-        }                                                                                              \
-    }                                                                                                  \
-    return 0;                                                                                          \
-}
-
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, LOAD_F32, STORE_F32)
-DEFINE_ROPE_KV_WRITE(rope_kv_write_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ROPE_KV_WRITE(rope_kv_write_f32, float, LOAD_F32, STORE_F32)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, STORE_F32)

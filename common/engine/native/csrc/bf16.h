@@ -1,7 +1,7 @@
-/* bf16 <-> fp32 for the decode kernels (decode_kernels.c, decode_matmul.c): the bits torch's own
+/* bf16 <-> fp32 for the decode kernels (every .c here): the bits torch's own
  * conversions give, so a native result matches torch's eager path. */
-#ifndef HANDOFF_DECODE_BF16_H
-#define HANDOFF_DECODE_BF16_H
+#ifndef HANDOFF_BF16_H
+#define HANDOFF_BF16_H
 
 #include <stdint.h>
 #include <string.h>

@@ -1,14 +1,16 @@
-/* The decode step's logits after the LM head (common/engine/native.py, Llama.decode_logits, Sampler):
+/* The decode step's logits after the LM head (common/engine/native, Llama.decode_logits, Sampler):
  *
  *   refine_top: the int8 head's logits are approximate; each row's k best are recomputed exactly in fp32
  *               from the fp32 head and the row's hidden state (what torch's topk + gather + product + sum +
- *               scatter did, 172 us a row on this project's 2-core VM, 3.9 ms for 32 rows);
- *   argmax:     greedy's token, the first of the row's largest logits (torch's max(dim): 72 us a row).
+ *               scatter did, slower);
+ *   argmax:     greedy's token, the first of the row's largest logits (what torch's max(dim) did, slower).
+ * (docs/benchmarks.md, "Figures behind the code": Top-k refinement and argmax in C.)
  *
- * Invariant 4: each row alone, its operations fixed by its own values. The k best are chosen by a total
- * order (NaN above everything, -0 equal to +0, ties to the lower token id), so the set never depends on the
- * scan's vector width; an exact logit is one dot product with 8 lanes (lane l: inputs l, l + 8, ... by fused
- * multiply-adds in order) and a fixed tree over the lanes: the AVX2 and plain C builds give the same bits.
+ * Invariant 4 (same tokens whatever the batch): each row alone, its operations fixed by its own values. The k
+ * best are chosen by a total order (NaN above everything, -0 equal to +0, ties to the lower token id), so the
+ * set never depends on the scan's vector width; an exact logit is one dot product with 8 lanes (lane l:
+ * inputs l, l + 8, ... by fused multiply-adds in order) and a fixed tree over the lanes: the AVX2 and plain C
+ * builds give the same bits.
  */
 #include <errno.h>
 #include <math.h>
@@ -20,7 +22,7 @@
 #define LOGITS_AVX2 1
 #endif
 
-#define REFINE_MAX 1024 /* the largest k refine_top takes */
+#include "handoff_native.h"
 
 typedef struct {
     int32_t key; /* order_key of the logit */
@@ -108,7 +110,8 @@ static float dot8(const float *a, const float *b, int64_t dim) {
  * hidden [rows, dim] and head [vocab, dim] fp32 contiguous. Returns 0, or -EINVAL. */
 int refine_top(float *logits, int64_t rows, int64_t vocab, const float *hidden, const float *head, int64_t dim,
                int64_t k, int64_t threads) {
-    if (rows < 0 || vocab <= 0 || vocab > INT32_MAX || k <= 0 || k > vocab || k > REFINE_MAX || dim <= 0 || dim % 8)
+    if (rows < 0 || vocab <= 0 || vocab > INT32_MAX || k <= 0 || k > vocab || k > REFINE_MAX || dim <= 0
+        || dim % REFINE_LANES)
         return -EINVAL;
 #pragma omp parallel for num_threads((int)threads) if (threads > 1 && rows > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {

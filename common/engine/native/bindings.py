@@ -1,0 +1,237 @@
+"""The shared library's functions, called on torch tensors' memory: their ctypes signatures (as
+csrc/handoff_native.h declares them) and DecodeKernels, one loaded library."""
+from __future__ import annotations
+
+import ctypes
+import errno
+from pathlib import Path
+
+import torch
+
+from common.engine.native.choice import Q4_ENTRIES, Q4_INDEX, Q4_LAYOUT
+from common.engine.native.header import DEFINES
+from common.engine.native.packing import GROUP, q4_shape
+
+LANES = DEFINES["LANES"]  # attention's and add_rms_norm's sums: head_dim and hidden multiples of it
+MAX_HEADS_PER_KV, MAX_HEADS, MAX_HEAD_DIM = DEFINES["MAX_HEADS_PER_KV"], DEFINES["MAX_HEADS"], DEFINES["MAX_HEAD_DIM"]
+REFINE_LANES = DEFINES["REFINE_LANES"]  # refine_top's dim: a multiple of it
+LAYER_POINTERS = DEFINES["LAYER_POINTERS"]  # decode_layers' weights a layer
+# Below this much work ((row, query head) items times the longest context) one thread does it all. The split
+# runs on torch's OpenMP team, whose threads are already awake, so it pays early: at 2 and 32 rows, and for
+# one row of a short chat context too (docs/benchmarks.md, "Figures behind the code": Attention's thread split
+# threshold).
+SPLIT_MIN_WORK = 256
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # function (one per dtype suffix) -> argument types
+    "decode_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, _I, _I],  # ..., out, rows, threads
+    "add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
+    "rope_kv_write": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
+    "silu_mul": [_P, _I, _I, _P, _I],
+    # h, rows, layers, the layers' weight pointers, kv, layer stride, cos, sin, positions, slots, block
+    # tables, their stride, lens, block, heads, kv heads, head dim, hidden, ffn, eps, attention scale,
+    # threads, attention threads, the q4 kernel (Q4_INDEX)
+    "decode_layers": [_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I,
+                      _I],
+}
+SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# The matmuls: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is bf16,
+# y's row stride, threads
+MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I]
+                  for name in Q4_ENTRIES.values()},
+               "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
+# The logits: logits, rows, vocab, hidden, head, dim, k, threads; x, rows, cols, out, threads
+LOGITS_ARGS = {"refine_top": [_P, _I, _I, _P, _P, _I, _I, _I], "argmax_rows": [_P, _I, _I, _P, _I]}
+
+
+def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> ctypes.Array:
+    """decode_layers' weights: each layer's attn_norm, wqkv, wo, mlp_norm, w13 and w2 (the norms fp32, the
+    matmuls as pack_q4 lays them out), as one array of pointers into those tensors (keep them alive)."""
+    if any(len(layer) != LAYER_POINTERS for layer in layers):
+        raise ValueError(f"decode_layers takes {LAYER_POINTERS} weights a layer")
+    return (ctypes.c_void_p * (LAYER_POINTERS * len(layers)))(*[t.data_ptr() for layer in layers for t in layer])
+
+
+class DecodeKernels:
+    """The shared library's functions for one model's decode step, called on torch tensors' memory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: the GIL is released during each call
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in SIGNATURES.items():
+            for dtype, suffix in SUFFIXES.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                self._fns[name, dtype] = fn
+        self._matmuls = {}
+        for name, argtypes in {**MATMUL_ARGS, **LOGITS_ARGS}.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            self._matmuls[name] = fn
+        # The bf16 dot kernel runs where the CPU has AVX512_BF16 (a GCC build carries it for any AVX2
+        # target, the portable one included); elsewhere it answers -ENOSYS.
+        self.has_bf16dot = self._runs("q4_matmul_bf16dot")
+        # The int8 digit kernels (GCC 11 or later, any AVX2 build): by the vector unit where the CPU has
+        # AVX512_VNNI, and by AMX tiles where it also has AMX_INT8 and the OS grants the tile state.
+        self.has_vnni = self._runs("q4_matmul_vnni")
+        self.has_amx = self._runs("q4_matmul_amx")
+        # Its AVX2 unit, the same bits again, in every GCC 11+ AVX2 build (the portable one included).
+        self.has_avx2_digits = self._runs("q4_matmul_avx2")
+
+    def _runs(self, name: str) -> bool:
+        """Whether this build and CPU run Q4 kernel `name`: asked with no rows, it answers 0 or -ENOSYS."""
+        return self._matmuls[name](None, 1, GROUP, 0, None, 1, GROUP, None, 1, 1, 1) == 0
+
+    @staticmethod
+    def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> bool:
+        return (dtype in SUFFIXES and head_dim % LANES == 0 and head_dim <= MAX_HEAD_DIM and hidden_size % LANES == 0
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_HEADS_PER_KV
+                and num_heads <= MAX_HEADS)
+
+    @staticmethod
+    def refines(dim: int) -> bool:
+        """Whether refine_top takes hidden states of `dim`."""
+        return dim % REFINE_LANES == 0
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code == -errno.ENOMEM:
+            raise MemoryError(f"native {what}: out of memory")
+        if code:
+            raise RuntimeError(f"native {what} refused its arguments (code {code})")
+
+    def attention(self, q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor,
+                  lens: torch.Tensor, longest: int, block_size: int, scale: float) -> torch.Tensor:
+        """q [B, H, D] (rows of any stride, heads and dims contiguous); layer_kv [slots, 2, Hkv, D]
+        contiguous; block_tables [B, blocks] and lens [B] int64 contiguous, every row's table covering its
+        length (`longest` is the largest). Returns [B, H, D]."""
+        rows, heads, dim = q.shape
+        kv_heads = layer_kv.shape[2]
+        if q.stride(2) != 1 or q.stride(1) != dim or not layer_kv.is_contiguous():
+            raise ValueError("paged attention: q needs contiguous heads and a contiguous layer cache")
+        out = torch.empty(rows, heads, dim, dtype=q.dtype)
+        fn = self._fns["decode_attention", q.dtype]
+        args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                lens.data_ptr(), block_size, heads, kv_heads, dim, scale, out.data_ptr())
+        self._check(fn(*args, rows, self.attention_threads(rows, heads, longest)), "attention")
+        return out
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """h [rows, dim] fp32 contiguous += delta (dtype, contiguous; None adds nothing), in place; returns
+        RMSNorm(h) * weight (fp32 [dim]) in dtype."""
+        rows, dim = h.shape
+        if not (h.is_contiguous() and h.dtype == torch.float32) or (
+                delta is not None and not (delta.is_contiguous() and delta.dtype == dtype and delta.shape == h.shape)):
+            raise ValueError("add_rms_norm: h must be contiguous fp32 and delta contiguous, of h's shape, in dtype")
+        out = torch.empty(rows, dim, dtype=dtype)
+        self._check(self._fns["add_rms_norm", dtype](
+            h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), rows, dim, eps,
+            out.data_ptr()), "add_rms_norm")
+        return out
+
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      heads: int, kv_heads: int, dim: int, layer_kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotates qkv's q and k heads in place (cos/sin: [positions, dim] tables, qkv's dtype) and copies
+        each row's K and V into layer_kv [slots, 2, Hkv, D] at slots[row]."""
+        if not (qkv.is_contiguous() and layer_kv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+                and qkv.dtype == layer_kv.dtype == cos.dtype == sin.dtype and qkv.shape[1] == (heads + 2 * kv_heads) * dim):
+            raise ValueError("rope_kv_write: qkv, the cache and the tables must be contiguous, of one dtype")
+        self._check(self._fns["rope_kv_write", qkv.dtype](
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), qkv.shape[0], heads, kv_heads,
+            dim, layer_kv.data_ptr(), slots.data_ptr()), "rope_kv_write")
+
+    def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str = "int") -> torch.Tensor:
+        """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
+        blocks as `pack_q4` lays them out for the kernel (choice.Q4_LAYOUT). kernel: one of choice.Q4_KERNELS,
+        "int" (integer products), "bf16dot" (the bf16 dot instruction, `has_bf16dot`), "f32" (fp32 FMAs),
+        "vnni" (integer products by int8 digits, `has_vnni`), "amx" (those by AMX tiles from 13 rows, the
+        same bits, `has_amx`) or "avx2" (those by AVX2, the same bits, `has_avx2_digits`); or "amx_tiles"
+        (the tiles at any batch, for tests). A weight packed in another layout, or for other sizes, is
+        refused (ValueError): the kernel would read it as garbage."""
+        if x.shape[1] % GROUP:
+            raise ValueError(f"q4_matmul: x has {x.shape[1]} inputs, not whole blocks of {GROUP}")
+        layout = Q4_LAYOUT[kernel]
+        want = q4_shape(out_features, x.shape[1], layout)
+        if tuple(packed.shape) != want or packed.dtype != torch.uint8:
+            raise ValueError(f"q4_matmul ({kernel}): the weight is {tuple(packed.shape)} {packed.dtype}, where "
+                             f"{out_features} outputs x {x.shape[1]} inputs in the {layout!r} layout are {want} "
+                             f"uint8: pack it with pack_q4(..., layout={layout!r})")
+        return self._matmul(Q4_ENTRIES[kernel], x, (packed,), out_features, x.dtype)
+
+    def q8_matmul(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [rows, in] (fp32 or bf16) @ (codes * scale[:, None])^T → fp32 [rows, out], as `pack_q8` lays
+        them out."""
+        return self._matmul("q8_matmul", x, (packed, scales), out_features, torch.float32)
+
+    def _matmul(self, name: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...], out_features: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        rows, in_features = x.shape
+        if x.dtype not in SUFFIXES or x.stride(1) != 1 or not all(t.is_contiguous() for t in weight):
+            raise ValueError(f"{name}: x must be fp32 or bf16 with contiguous rows, the weight contiguous")
+        y = torch.empty(rows, out_features, dtype=out_dtype)
+        self._check(self._matmuls[name](
+            x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), rows, *(t.data_ptr() for t in weight),
+            out_features, in_features, y.data_ptr(), out_dtype == torch.bfloat16, out_features,
+            torch.get_num_threads()), name)
+        return y
+
+    def refine_top(self, logits: torch.Tensor, hidden: torch.Tensor, head: torch.Tensor, k: int) -> torch.Tensor:
+        """logits [rows, vocab] fp32 contiguous, in place: each row's k best (NaN first, ties to the lower id)
+        become the exact fp32 product of hidden [rows, dim] with head [vocab, dim] (both fp32 contiguous,
+        `refines(dim)`). Returns logits."""
+        rows, vocab = logits.shape
+        if not (logits.dtype == hidden.dtype == head.dtype == torch.float32 and logits.is_contiguous()
+                and hidden.is_contiguous() and head.is_contiguous() and hidden.shape == (rows, head.shape[1])
+                and head.shape[0] == vocab):
+            raise ValueError("refine_top: logits [rows, vocab], hidden [rows, dim] and head [vocab, dim], "
+                             "fp32 contiguous")
+        self._check(self._matmuls["refine_top"](logits.data_ptr(), rows, vocab, hidden.data_ptr(), head.data_ptr(),
+                                                head.shape[1], k, torch.get_num_threads()), "refine_top")
+        return logits
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, cols] fp32 → int64 [rows]: the first index of each row's largest value, a NaN counting as
+        the largest (torch's max(dim=-1).indices)."""
+        rows, cols = x.shape
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("argmax: x must be fp32 and contiguous")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._check(self._matmuls["argmax_rows"](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads()),
+                    "argmax")
+        return out
+
+    def attention_threads(self, rows: int, heads: int, longest: int) -> int:
+        return torch.get_num_threads() if rows * heads > 1 and rows * heads * longest >= SPLIT_MIN_WORK else 1
+
+    def decode_layers(self, h: torch.Tensor, layer_weights: ctypes.Array, kv: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                      lens: torch.Tensor, longest: int, block_size: int, heads: int, head_dim: int, ffn: int,
+                      eps: float, kernel: str = "int") -> None:
+        """Every layer of a decode step (layers.c) on the fp32 residual h [rows, hidden], in place: the
+        same kernels as the per-op path, in one call. layer_weights: `layer_pointers`' array; kv [layers,
+        slots, 2, kv_heads, head_dim] contiguous; the rest as `attention` and `rope_kv_write` take them;
+        kernel as `q4_matmul` takes it."""
+        rows, hidden = h.shape
+        layers, kv_heads = kv.shape[0], kv.shape[3]
+        if not (h.is_contiguous() and h.dtype == torch.float32 and kv.is_contiguous() and cos.dtype == kv.dtype
+                and cos.is_contiguous() and sin.is_contiguous() and len(layer_weights) == LAYER_POINTERS * layers):
+            raise ValueError("decode_layers: h must be contiguous fp32, kv and the rotary tables contiguous, of "
+                             f"one dtype, with {LAYER_POINTERS} weight pointers a layer")
+        self._check(self._fns["decode_layers", kv.dtype](
+            h.data_ptr(), rows, layers, layer_weights, kv.data_ptr(), kv[0].numel(), cos.data_ptr(), sin.data_ptr(),
+            positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            lens.data_ptr(), block_size, heads, kv_heads, head_dim, hidden, ffn, eps, head_dim ** -0.5,
+            torch.get_num_threads(), self.attention_threads(rows, heads, longest),
+            Q4_INDEX[kernel]), "decode_layers")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 F] contiguous → silu(gate) * up [rows, F]."""
+        if not gate_up.is_contiguous():
+            raise ValueError("silu_mul: gate_up must be contiguous")
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self._check(self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, width, out.data_ptr(),
+                                                        torch.get_num_threads()), "silu_mul")
+        return out

@@ -1,0 +1,105 @@
+/* The native decode library's interface (common/engine/native): every function it exports, and every
+ * number Python must agree with it on. Every .c file includes it. Python reads the integer #defines below
+ * from this file (native/header.py) and never restates them, so a layout changed here changes both sides.
+ *
+ * Functions return 0 or a negative errno: -EINVAL (arguments refused), -ENOMEM, -ENOSYS (a kernel this build
+ * or CPU lacks); attention and the row-wise ops answer -1 for arguments they refuse and -2 when out of memory.
+ * Attention, the row-wise ops and the layer stack come in the model's two dtypes: _bf16 (uint16_t holding bf16
+ * bits) and _f32.
+ */
+#ifndef HANDOFF_NATIVE_H
+#define HANDOFF_NATIVE_H
+
+#include <stdint.h>
+
+/* ---- The packed weights' layouts (native/packing.py writes them, the matmuls read them) */
+
+#define GROUP 32         /* inputs a block: a GGUF Q4 block, and a q8 record's codes of one output */
+#define QUAD 4           /* outputs packed together, their blocks interleaved: one sequential stream a tile */
+#define Q4_RECORD 80     /* bytes of one block of a quad (quads layout): 4 x 16 code bytes, 4 fp16 d, 4 fp16 m */
+#define Q8_RECORD 128    /* bytes of one block of a q8 quad: 4 x 32 int8 codes */
+#define DIGIT_OUTPUTS 16 /* the int8 digit kernels' group of outputs: one register of 16 int32 / fp32 */
+#define DIGIT_RECORD 320 /* bytes of one block of a group (digits layout): 256 of codes, 16 fp16 d, 16 fp16 m */
+
+/* ---- The Q4 kernels, numbered for decode_layers' q4_kernel (native/choice.py's Q4_INDEX) */
+
+#define Q4_KERNEL_INT 0     /* q4_matmul */
+#define Q4_KERNEL_BF16DOT 1 /* q4_matmul_bf16dot */
+#define Q4_KERNEL_F32 2     /* q4_matmul_f32 */
+#define Q4_KERNEL_AMX 3     /* q4_matmul_amx */
+#define Q4_KERNEL_VNNI 4    /* q4_matmul_vnni */
+#define Q4_KERNEL_AVX2 5    /* q4_matmul_avx2 */
+
+#define LAYER_POINTERS 6 /* decode_layers' weights a layer: attn_norm, wqkv, wo, mlp_norm, w13, w2 */
+
+/* ---- The shapes attention and the row-wise ops take (native/bindings.py's DecodeKernels.supports) */
+
+#define LANES 16            /* their sums' fixed lanes: head_dim and hidden are multiples of it */
+#define MAX_HEADS_PER_KV 16 /* query heads sharing one KV head */
+#define MAX_HEADS 256
+#define MAX_HEAD_DIM 256
+
+/* ---- refine_top's limits */
+
+#define REFINE_MAX 1024 /* the largest k */
+#define REFINE_LANES 8  /* its dot products' lanes: dim is a multiple of it */
+
+/* ---- Attention over the paged cache (attention.c) */
+
+int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, const int64_t *table,
+                          int64_t table_stride, const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads,
+                          int64_t dim, float scale, uint16_t *out, int64_t rows, int64_t threads);
+int decode_attention_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *table,
+                         int64_t table_stride, const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads,
+                         int64_t dim, float scale, float *out, int64_t rows, int64_t threads);
+
+/* ---- The row-wise ops around the matmuls (rowwise.c) */
+
+int add_rms_norm_bf16(float *h, const uint16_t *delta, const float *w, int64_t rows, int64_t dim, float eps,
+                      uint16_t *out);
+int add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t rows, int64_t dim, float eps, float *out);
+int rope_kv_write_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *positions,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, uint16_t *kv, const int64_t *slots);
+int rope_kv_write_f32(float *qkv, const float *cos, const float *sin, const int64_t *positions, int64_t rows,
+                      int64_t heads, int64_t kv_heads, int64_t dim, float *kv, const int64_t *slots);
+int silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t width, uint16_t *out, int64_t threads);
+int silu_mul_f32(const float *gate_up, int64_t rows, int64_t width, float *out, int64_t threads);
+
+/* ---- The weight matmuls: y [rows, out] (y_stride apart, fp32 or bf16) = x [rows, in] (x_stride apart,
+ * fp32 or bf16) @ W^T, W packed as above; `threads` of torch's OpenMP team. */
+
+/* The Q4 kernels: one signature, W in the quads layout (int, bf16dot, f32) or the digits one (the rest). */
+typedef int q4_matmul_fn(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const uint8_t *packed,
+                         int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
+q4_matmul_fn q4_matmul;           /* integer products (matmul_q4_int.c) */
+q4_matmul_fn q4_matmul_bf16dot;   /* the bf16 dot instruction (matmul_q4_bf16dot.c) */
+q4_matmul_fn q4_matmul_f32;       /* fp32 products (matmul_q4_f32.c) */
+q4_matmul_fn q4_matmul_avx2;      /* integer products by int8 digits, AVX2 unit (matmul_q4_digits.c) */
+q4_matmul_fn q4_matmul_vnni;      /* the same bits by AVX512_VNNI */
+q4_matmul_fn q4_matmul_amx;       /* the same bits by AMX tiles from AMX_MIN_ROWS rows, VNNI below */
+q4_matmul_fn q4_matmul_amx_tiles; /* the same bits by AMX tiles at any batch (for the tests) */
+
+/* The int8 LM head: codes [quads, in / GROUP, QUAD, GROUP], scale [quads * QUAD] (matmul_q8_head.c). */
+int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const int8_t *packed, const float *scale,
+              int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
+
+/* ---- A decode step's whole layer stack in one call (layers.c) */
+
+int decode_layers_bf16(float *h, int64_t rows, int64_t num_layers, void *const *weights, uint16_t *kv,
+                       int64_t layer_stride, const uint16_t *cos, const uint16_t *sin, const int64_t *positions,
+                       const int64_t *slots, const int64_t *table, int64_t table_stride, const int64_t *lens,
+                       int64_t block, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t ffn,
+                       float eps, float attn_scale, int64_t threads, int64_t attn_threads, int64_t q4_kernel);
+int decode_layers_f32(float *h, int64_t rows, int64_t num_layers, void *const *weights, float *kv,
+                      int64_t layer_stride, const float *cos, const float *sin, const int64_t *positions,
+                      const int64_t *slots, const int64_t *table, int64_t table_stride, const int64_t *lens,
+                      int64_t block, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t ffn,
+                      float eps, float attn_scale, int64_t threads, int64_t attn_threads, int64_t q4_kernel);
+
+/* ---- The logits after the LM head (logits.c) */
+
+int refine_top(float *logits, int64_t rows, int64_t vocab, const float *hidden, const float *head, int64_t dim,
+               int64_t k, int64_t threads);
+int argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out, int64_t threads);
+
+#endif
