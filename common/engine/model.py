@@ -63,7 +63,7 @@ def rope_tables(config: ModelConfig, max_positions: int, device, local: bool = F
 
 
 # Invariant 4 (a request's tokens never depend on what else is in its batch) needs every op of a decode
-# step to give a row the same bits whatever the other rows are. Measured on CPU (tests/test_model_numerics):
+# step to give a row the same bits whatever the other rows are. Measured on CPU (tests/engine/test_model_numerics):
 # - the int4 and int8 weight-only kernels: yes, at any row count;
 # - a dense GEMM: only for a fixed row count (oneDNN/MKL pick other kernels, blockings and, at 2 threads,
 #   splits as M changes: fp32 rows differ between M=1 and M=2 already), so dense decode GEMMs run in

@@ -350,7 +350,7 @@ def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
     the services (through the ConfigMap's tls-server-name: the certificate names no IP), probes
     on the plaintext health ports, and a Generate over TLS with an API key."""
     from common.security import TLSConfig
-    from tests.test_security import make_ca, make_cert
+    from tests.support.certs import make_ca, make_cert
 
     pki = tmp_path / "pki"
     pki.mkdir()

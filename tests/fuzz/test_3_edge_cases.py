@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from common.kv_wire import LAYOUT
+from decode_svc.inbox import seq_key
 from protos import handoff_pb2, internal_pb2
 from tests.fuzz.protowire import (
     CALL_TIMEOUT_S,
@@ -205,6 +206,13 @@ def push_header_only(channels, header: internal_pb2.KVHeader) -> Outcome:
     return out
 
 
+def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def test_unclaimed_kv_is_swept(cluster, channels, baseline):
     """KV that no Decode call claims within the worker's KV wait is dropped by the heartbeat's sweep,
     and its blocks go back to the pool."""
@@ -349,9 +357,11 @@ def test_retried_decode_after_a_cancelled_one(cluster, channels, baseline):
     try:
         INPUTS["concurrent"] += 1
         first = dec(decode_request(1, expected[:1]), timeout=CALL_TIMEOUT_S)
-        time.sleep(0.2)
+        key = seq_key(rid, 1)
+        wait_for(lambda: ("Decode", key) in d._inflight_ids, "attempt 1's Decode call did not reach the worker")
         first.cancel()
-        time.sleep(0.3)  # the worker notices the cancellation
+        wait_for(lambda: ("Decode", key) not in d._inflight_ids and not d.inbox.accepting(key),
+                 "the worker did not notice the cancellation")
         late = prefill(1)  # attempt 1's KV, after its Decode ended: refused, charged to the decode worker
         assert late.code == "CANCELLED" and late.blame == ("decode", d.config.worker_id, d.epoch), late
         assert_nothing_parked(cluster)

@@ -6,7 +6,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.state import TERMINAL_STATES
-from tests.conftest import wait_idle
+from tests.support.cluster import wait_idle
 from tests.fuzz.protowire import ACCEPTED_RIDS, INPUTS, OUTCOMES, greedy
 
 pytestmark = pytest.mark.timeout(600)  # a hang is one of the failures looked for: end it

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks' own logic: their figures are computed right (the figures themselves are not asserted)."""

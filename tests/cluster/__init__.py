@@ -1,0 +1,1 @@
+"""Tests of whole clusters in process: router, prefill and decode workers, Redis (TLS included)."""

@@ -1,0 +1,381 @@
+"""Security: TLS and mutual TLS on every port, API keys on the router, a Redis ACL user, no secret in logs.
+
+The certificates are made here with the openssl CLI: a CA, one certificate that every service
+uses as server and client certificate (its only name is handoff-internal, so every channel
+works only through --tls-server-name, as with workers that register IPs), and a rogue CA
+with a client certificate of its own.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+from dataclasses import dataclass, replace
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY, generate_latest
+
+from common import grpc_common, security
+from common.ports import free_port
+from common.redis_server import EmbeddedRedis, connect
+from common.security import APIKeys, TLSConfig, TLSError
+from common.worker import WorkerConfig
+from protos import handoff_pb2, handoff_pb2_grpc, internal_pb2_grpc
+from router import client
+from router.cluster import Cluster
+from router.config import RouterConfig
+from router.server import RouterServer
+from tests.support.certs import SERVER_NAME, make_ca, make_cert, openssl
+
+API_KEYS = ("key-alpha-0123456789", "key-beta-9876543210")
+WRONG_KEY = "wrong-key-5c1e7a"
+REDIS_USER = "handoff-svc"
+REDIS_SECRET = "redis-secret-8d41f0"
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+@dataclass(frozen=True)
+class PKI:
+    ca: Path
+    cert: Path
+    key: Path
+    rogue_ca: Path
+    rogue_cert: Path
+    rogue_key: Path
+
+    @property
+    def tls(self) -> TLSConfig:
+        return TLSConfig(cert=str(self.cert), key=str(self.key), ca=str(self.ca), server_name=SERVER_NAME)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> PKI:
+    folder = tmp_path_factory.mktemp("pki")
+    ca = make_ca(folder, "ca")
+    cert, key = make_cert(folder, "handoff", ca)
+    rogue_ca = make_ca(folder, "rogue-ca")
+    rogue_cert, rogue_key = make_cert(folder, "rogue", rogue_ca)
+    return PKI(ca[0], cert, key, rogue_ca[0], rogue_cert, rogue_key)
+
+
+# --------------------------------------------------------------------------- TLS configuration
+
+def test_tls_files_are_checked_and_errors_name_the_file(pki, tmp_path):
+    security.check(pki.tls)  # the good set passes
+    cases = [
+        (replace(pki.tls, cert=str(tmp_path / "nope.crt")), ["nope.crt", "no such file"]),
+        (replace(pki.tls, ca=str(tmp_path)), [str(tmp_path), "directory"]),
+        (replace(pki.tls, key=str(pki.rogue_key)), [str(pki.rogue_key), "does not belong", str(pki.cert)]),
+        (replace(pki.tls, cert=str(pki.key)), [str(pki.key), "not a PEM file"]),
+    ]
+    encrypted = tmp_path / "encrypted.key"
+    openssl(tmp_path, "pkey", "-in", str(pki.key), "-aes256", "-passout", "pass:xyz", "-out", encrypted.name)
+    cases.append((replace(pki.tls, key=str(encrypted)), [str(encrypted), "passphrase"]))
+    garbage = tmp_path / "garbage.crt"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all!\n-----END CERTIFICATE-----\n")
+    cases.append((replace(pki.tls, ca=str(garbage)), [str(garbage), "unreadable PEM"]))
+    cases.append((replace(pki.tls, cert=str(garbage)), [str(garbage), "unreadable PEM"]))
+    for cfg, words in cases:
+        with pytest.raises(TLSError) as info:
+            security.check(cfg)
+        for word in words:
+            assert word in str(info.value), (str(info.value), word)
+        with pytest.raises(TLSError):
+            security.server_credentials(cfg, require_client_cert=True)
+
+
+def test_tls_config_must_be_complete_for_a_service(pki):
+    with pytest.raises(ValueError, match="go together"):
+        TLSConfig(cert=str(pki.cert))
+    with pytest.raises(ValueError, match="needs --tls-cert"):
+        TLSConfig(ca=str(pki.ca), require_client_cert=True)
+    with pytest.raises(ValueError, match="mutual TLS"):  # a worker without a CA could not check its callers
+        WorkerConfig(role="decode", tls=TLSConfig(cert=str(pki.cert), key=str(pki.key)))
+    with pytest.raises(ValueError, match="mutual TLS"):
+        RouterConfig(tls=TLSConfig(ca=str(pki.ca)))
+    assert not TLSConfig().enabled and security.server_credentials(TLSConfig(), require_client_cert=True) is None
+    assert security.channel_credentials(TLSConfig()) is None
+
+
+def test_service_flags_read_tls_and_api_keys_from_the_environment(pki, tmp_path, monkeypatch):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"# rotated 2025-01\n  {API_KEYS[0]}  \n\n{API_KEYS[1]} # second\n")
+    monkeypatch.setenv("HANDOFF_TLS_CERT", str(pki.cert))
+    monkeypatch.setenv("HANDOFF_TLS_KEY", str(pki.key))
+    monkeypatch.setenv("HANDOFF_TLS_CA", str(pki.ca))
+    monkeypatch.setenv("HANDOFF_TLS_SERVER_NAME", SERVER_NAME)
+    monkeypatch.setenv("HANDOFF_HEALTH_PORT", "50052")
+    monkeypatch.setenv("HANDOFF_API_KEYS", f"{API_KEYS[0]}, extra-key-1")
+    config = RouterConfig.from_args(["--api-keys-file", str(keys_file), "--tls-require-client-cert=1"])
+    assert config.tls == replace(pki.tls, require_client_cert=True)
+    assert config.health_port == 50052
+    assert config.api_keys == (*API_KEYS, "extra-key-1")
+    assert not any(k in repr(config) for k in config.api_keys), "a config's repr never shows a key"
+    worker = WorkerConfig.from_args("decode", [], port=50071, metrics_port=0)
+    assert worker.tls == pki.tls and worker.health_port == 50052
+    monkeypatch.setenv("HANDOFF_TLS_KEY", str(pki.rogue_key))
+    with pytest.raises(SystemExit):  # a key that does not match: refused at start, before the model loads
+        WorkerConfig.from_args("decode", [], port=50071, metrics_port=0)
+
+
+# --------------------------------------------------------------------------- API keys
+
+def test_api_keys_file_format(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# production keys\n\n   k1   \nk2  # the CI key\n#k3\n\t\nk1\n")
+    assert security.read_api_keys(str(path)) == ("k1", "k2")
+    assert security.read_api_keys(str(path), " k4 ,, k2 ,") == ("k1", "k2", "k4")
+    assert security.read_api_keys(None, None) == ()
+    path.write_text("# only comments\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        security.read_api_keys(str(path))
+    with pytest.raises(ValueError, match="no such file"):
+        security.read_api_keys(str(tmp_path / "missing"))
+    path.write_text("secret-part other-part\n")
+    with pytest.raises(ValueError) as info:
+        security.read_api_keys(str(path))
+    assert "secret-part" not in str(info.value), "an error never quotes a key"
+
+
+def test_api_key_check():
+    assert APIKeys([]).check(None) and APIKeys([]).check("anything"), "no keys: authentication is off"
+    keys = APIKeys(API_KEYS)
+    assert keys.enabled and len(keys) == 2
+    assert keys.check(API_KEYS[0]) and keys.check(API_KEYS[1])
+    for bad in (None, "", API_KEYS[0][:-1], API_KEYS[0][:4], API_KEYS[0] + "x", " " + API_KEYS[0], WRONG_KEY):
+        assert not keys.check(bad), bad
+    assert API_KEYS[0] not in repr(keys)
+    with pytest.raises(ValueError):  # an empty key would match an empty header
+        APIKeys(["k1", ""])
+
+
+def test_api_key_check_is_constant_time_by_construction(monkeypatch):
+    """Every configured key is compared with hmac.compare_digest, whether the first one matches or none does."""
+    calls = []
+    real = security.hmac.compare_digest
+
+    def counting(a, b):
+        calls.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(security.hmac, "compare_digest", counting)
+    keys = APIKeys(["a", "bb", "ccc"])
+    for presented in ("a", "ccc", "zz", "a-much-longer-key-than-any-configured"):
+        calls.clear()
+        keys.check(presented)
+        assert len(calls) == 3, f"{presented!r}: {len(calls)} comparisons, want one per key (no early exit)"
+        assert len({n for pair in calls for n in pair}) == 1, "digests of one length: a key's length does not show"
+
+
+def test_bearer_token():
+    assert security.bearer_token([("authorization", "Bearer abc")]) == "abc"
+    assert security.bearer_token([("x-other", "1"), ("authorization", "bearer  abc ")]) == "abc"
+    assert security.bearer_token([("authorization", "Basic abc")]) == ""
+    assert security.bearer_token([("x-other", "1")]) is None and security.bearer_token(None) is None
+
+
+# --------------------------------------------------------------------------- Redis ACL user
+
+def test_redis_acl_user_reaches_the_server():
+    with EmbeddedRedis(password=REDIS_SECRET, username=REDIS_USER) as server:
+        bare_url = f"redis://127.0.0.1:{server.port}/0"
+        acl_user, _ = connect(bare_url, password=REDIS_SECRET, username=REDIS_USER)
+        assert acl_user.ping()
+        assert acl_user.acl_whoami() == REDIS_USER
+        acl_user.close()
+        # The default user is off: the password alone is not enough, so the username did the work.
+        default_user, _ = connect(bare_url, password=REDIS_SECRET)
+        with pytest.raises(redis.AuthenticationError):
+            default_user.ping()
+        default_user.close()
+        assert REDIS_SECRET not in repr(server)
+
+
+# --------------------------------------------------------------------------- a cluster with TLS and API keys
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(logging.Formatter("%(name)s %(message)s").format(record))
+
+
+@pytest.fixture(scope="module")
+def secure(pki):
+    """Embedded Redis with an ACL user, 1 prefill + 1 decode + router, all on mutual TLS, API keys on.
+
+    Everything the cluster logs, from its start, is recorded at DEBUG for the secrets test."""
+    records = _Records()
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(records)
+    root.setLevel(logging.DEBUG)
+    redis_server = EmbeddedRedis(password=REDIS_SECRET, username=REDIS_USER).start()
+    cluster = None
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            # As in a pod: the Redis credentials arrive in the environment, the URL has none.
+            mp.setenv("REDIS_PASSWORD", REDIS_SECRET)
+            mp.setenv("REDIS_USERNAME", REDIS_USER)
+            router = RouterConfig(tls=pki.tls, api_keys=API_KEYS, health_port=free_port())
+            cluster = Cluster(num_prefill=1, num_decode=1, dtype="fp32", kv_memory_gib=0.1, threads=1,
+                              redis_url=f"redis://127.0.0.1:{redis_server.port}/0", router=router,
+                              worker=WorkerConfig(role="prefill", tls=pki.tls)).start()
+        cluster.records = records
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        redis_server.stop()
+        root.removeHandler(records)
+        root.setLevel(old_level)
+
+
+def tls_channel(address: str, pki: PKI, *, cert: Path | None = None, key: Path | None = None,
+                ca: Path | None = None) -> grpc.Channel:
+    tls = TLSConfig(cert=str(cert) if cert else None, key=str(key) if key else None, ca=str(ca or pki.ca),
+                    server_name=SERVER_NAME)
+    return grpc_common.channel(address, credentials=security.channel_credentials(tls), server_name=SERVER_NAME)
+
+
+def health_status(channel: grpc.Channel) -> str:
+    """SERVING / NOT_SERVING, or the status code of the failed call."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        return exc.code().name
+    finally:
+        channel.close()
+
+
+def generate(address: str, pki: PKI, api_key: str | None, **fields) -> list[handoff_pb2.GenerateResponse]:
+    with tls_channel(address, pki) as channel:  # no client certificate: the public port does not ask for one
+        metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+        request = handoff_pb2.GenerateRequest(**{"prompt": "The capital of France is", "max_tokens": 4,
+                                                 "temperature": 0.0, "ignore_eos": True, **fields})
+        return list(handoff_pb2_grpc.RouterStub(channel).Generate(request, timeout=60, metadata=metadata))
+
+
+def test_generate_over_tls_with_a_valid_key(secure, pki):
+    """Tokens back means the router reached prefill and decode, and prefill pushed the KV to decode,
+    all three over mutual TLS with the certificate's name given by --tls-server-name."""
+    for key in API_KEYS:
+        msgs = generate(secure.address, pki, key)
+        assert len([t for m in msgs for t in m.token_ids]) == 4
+        assert msgs[-1].finish_reason == handoff_pb2.FINISH_REASON_LENGTH
+    # python -m router.client's path: --tls-ca, --tls-server-name, HANDOFF_API_KEY.
+    out = io.StringIO()
+    figures = client.stream(secure.address, handoff_pb2.GenerateRequest(prompt="Hi", max_tokens=3, ignore_eos=True),
+                            60, out, tls=TLSConfig(ca=str(pki.ca), server_name=SERVER_NAME), api_key=API_KEYS[0])
+    assert figures["completion_tokens"] == 3 and out.getvalue()
+    kv_in = REGISTRY.get_sample_value("handoff_kv_transfer_bytes_total",
+                                      {"worker": secure.decode[0].config.worker_id, "direction": "in"})
+    assert kv_in and kv_in > 0, "the KV went prefill -> decode over the KV port"
+
+
+@pytest.mark.parametrize("api_key, message", [
+    (None, "requires an API key"),
+    (WRONG_KEY, "not valid"),
+    (API_KEYS[0][:-1], "not valid"),  # a prefix of a valid key
+])
+def test_missing_or_wrong_key_is_unauthenticated(secure, pki, api_key, message):
+    with pytest.raises(grpc.RpcError) as info:
+        generate(secure.address, pki, api_key)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+    assert message in info.value.details()
+    assert not any(k in info.value.details() for k in (*API_KEYS, WRONG_KEY)), "the status never echoes a key"
+
+
+def test_malformed_authorization_is_unauthenticated(secure, pki):
+    with tls_channel(secure.address, pki) as channel:
+        call = handoff_pb2_grpc.RouterStub(channel).Generate(
+            handoff_pb2.GenerateRequest(prompt="Hi", max_tokens=1), timeout=30,
+            metadata=[("authorization", f"Basic {API_KEYS[0]}")])
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in info.value.details()
+
+
+def test_health_needs_no_key_and_the_health_port_is_plaintext(secure, pki):
+    assert health_status(tls_channel(secure.address, pki)) == "SERVING", "probes carry no API key"
+    health_address = f"127.0.0.1:{secure.router_config.health_port}"
+    assert health_status(grpc.insecure_channel(health_address)) == "SERVING"
+    with grpc.insecure_channel(health_address) as channel:  # the health port serves health, nothing else
+        with pytest.raises(grpc.RpcError) as info:
+            list(handoff_pb2_grpc.RouterStub(channel).Generate(handoff_pb2.GenerateRequest(prompt="Hi"), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_plaintext_client_to_a_tls_port_fails(secure):
+    decode = secure.decode[0]
+    for address in (secure.address, secure.prefill[0].address, decode.address, decode.kv_address):
+        assert health_status(grpc.insecure_channel(address)) == "UNAVAILABLE", address
+
+
+def test_internal_ports_accept_only_client_certificates_from_the_ca(secure, pki):
+    decode = secure.decode[0]
+    for address in (secure.prefill[0].address, decode.address, decode.kv_address):
+        assert health_status(tls_channel(address, pki, cert=pki.cert, key=pki.key)) == "SERVING", address
+        assert health_status(tls_channel(address, pki)) == "UNAVAILABLE", f"{address}: no client certificate"
+        assert health_status(tls_channel(address, pki, cert=pki.rogue_cert, key=pki.rogue_key)) == "UNAVAILABLE", \
+            f"{address}: a client certificate from an unknown CA"
+    # Not only health: the KV port's PushKV refuses a caller without a certificate before any byte of KV.
+    with tls_channel(decode.kv_address, pki) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            internal_pb2_grpc.KVTransferStub(channel).PushKV(iter(()), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_server_certificate_from_another_ca_is_refused(secure, pki):
+    """The client side of mutual TLS: a worker impostor (wrong CA) is not trusted by a caller."""
+    channel = tls_channel(secure.prefill[0].address, pki, cert=pki.cert, key=pki.key, ca=pki.rogue_ca)
+    assert health_status(channel) == "UNAVAILABLE"
+
+
+def test_router_can_require_client_certificates(secure, pki):
+    config = replace(secure.router_config, port=0, health_port=0, redis_url=None,
+                     tls=replace(pki.tls, require_client_cert=True))
+    server = RouterServer(config, secure.state).start()
+    try:
+        address = f"127.0.0.1:{server.port}"
+        assert health_status(tls_channel(address, pki)) == "UNAVAILABLE", "no client certificate"
+        # With one, the handshake passes and the router answers SERVING once it sees the cluster's workers.
+        deadline = time.monotonic() + 10
+        while (status := health_status(tls_channel(address, pki, cert=pki.cert, key=pki.key))) != "SERVING":
+            assert status == "NOT_SERVING" and time.monotonic() < deadline, f"with a client certificate: {status}"
+            time.sleep(0.1)
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_no_secret_in_logs_statuses_or_metrics(secure, pki, caplog):
+    secrets = (*API_KEYS, WRONG_KEY, REDIS_SECRET)
+    with caplog.at_level(logging.DEBUG):
+        statuses = []
+        for key in (WRONG_KEY, None):
+            with pytest.raises(grpc.RpcError) as info:
+                generate(secure.address, pki, key)
+            statuses.append(info.value.details())
+        with pytest.raises(grpc.RpcError) as info:
+            generate(secure.address, pki, API_KEYS[0], max_tokens=-1)  # a validation error, logged
+        statuses.append(info.value.details())
+        generate(secure.address, pki, API_KEYS[1])
+    assert any("UNAUTHENTICATED" in r.getMessage() for r in caplog.records), "the refusals are logged"
+    texts = {"caplog": caplog.text, "cluster log since start": "\n".join(secure.records.lines),
+             "statuses": "\n".join(statuses), "metrics": generate_latest(REGISTRY).decode(),
+             "reprs": repr(secure.router_config) + repr(secure.state) + repr(secure.worker_config)}
+    assert "router listening" in texts["cluster log since start"], "the recorder saw the cluster start"
+    for where, text in texts.items():
+        for secret in secrets:
+            assert secret not in text, f"a secret appears in the {where}"
+    assert os.environ.get("REDIS_PASSWORD") != REDIS_SECRET, "the fixture's environment was restored"

@@ -1,0 +1,1 @@
+"""Tests of faults against real service processes: kill -9, cut-off and silent peers, Redis restarts."""

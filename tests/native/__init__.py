@@ -1,0 +1,1 @@
+"""Tests of the native decode kernels: bits against torch and across builds, batches and threads (no service)."""
