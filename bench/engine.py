@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from bench.bandwidth import ReadBandwidth
     from bench.llamacpp import LlamaCpp
 
-CHAT_PROMPT_LEN = 107  # DESIGN.md's decode context: a 107-token chat prompt
+CHAT_PROMPT_LEN = 107  # the decode context the figures use: a 107-token chat prompt
 LONG_CONTEXT = 1024  # one stream again at a long context, where attention is most of a step (not in --quick)
 SECTIONS = ("bandwidth", "prefill", "decode", "memory", "dtypes", "prefix")
 PEER = "hf-transformers"
@@ -491,7 +491,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         bandwidth.measure(2)  # more passes spread over the run: the best one is the machine's
     if 1 in first_seq_tokens:
         # The same prompt decoded alone and inside a batch: shows whether a sequence's tokens depend on
-        # its company (invariant 4); the runner keeps one weight format at every batch size for this.
+        # its company (invariant 4: same inputs, same tokens); the runner keeps one weight format at every batch size for this.
         for bsz, ids in first_seq_tokens.items():
             if bsz != 1:
                 n = min(len(ids), len(first_seq_tokens[1]))

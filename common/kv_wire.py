@@ -6,7 +6,7 @@ head_dim] tensor, or of consecutive segments of the sequence, each laid out so f
 calls encode_kv() or encode_kv_segments(); the receiver (decode) feeds the stream to a KVReceiver
 chunk by chunk, so it can reject a push the moment it goes wrong and never holds more than
 max_bytes (plus one segment). A push from a stale worker epoch or a different model is rejected before a
-byte of payload is kept (DESIGN.md, invariant 3).
+byte of payload is kept (invariant 3: stale or foreign KV rejected).
 """
 from __future__ import annotations
 

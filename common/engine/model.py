@@ -62,7 +62,7 @@ def rope_tables(config: ModelConfig, max_positions: int, device, local: bool = F
     return (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
 
 
-# Invariant 4 (a request's tokens never depend on what else is in its batch) needs every op of a decode
+# Invariant 4 (same inputs, same tokens: a request's tokens never depend on its batch) needs every op of a decode
 # step to give a row the same bits whatever the other rows are. Measured on CPU (tests/engine/test_model_numerics):
 # - the int4 and int8 weight-only kernels: yes, at any row count;
 # - a dense GEMM: only for a fixed row count (oneDNN/MKL pick other kernels, blockings and, at 2 threads,
@@ -98,7 +98,7 @@ class Int8Linear:
 
     With the native kernels (matmul_q8_head.c) the codes are widened to fp32 on the fly and multiplied
     with the fp32 activations, each row's sums in a fixed order, so a row's logits never depend on the
-    batch (invariant 4). Without them, on the CPU, the activations are quantized too, each row to two
+    batch (invariant 4: same inputs, same tokens). Without them, on the CPU, the activations are quantized too, each row to two
     int8 digits with its own scale, and the product is integer (`torch._int_mm`, int32 accumulation):
     integer sums are exact, so no blocking of the batch changes a row either. The logits are approximate
     either way: the best REFINE_TOP of each row are then recomputed in fp32.
@@ -549,6 +549,6 @@ class Llama(torch.nn.Module):
     def _refine(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         idx = logits.topk(self.REFINE_TOP, dim=-1).indices  # [B, K]
         # A product and a sum over the last dim, not bmm: bmm picks another kernel at batch 1 than at
-        # batch 2, and the refined logits must not depend on the batch (invariant 4).
+        # batch 2, and the refined logits must not depend on the batch (invariant 4: same inputs, same tokens).
         exact = (self.lm_head_exact[idx] * hidden.unsqueeze(1)).sum(-1)  # [B, K, dim] -> [B, K]
         return logits.scatter_(1, idx, exact)

@@ -89,7 +89,7 @@ class ModelRunner:
 
         One forward per prompt: a 16-bit GEMM rounds a row differently once more rows share it
         (oneDNN re-blocks past ~64 rows), so batching prompts together would let a request's K/V,
-        and so its tokens, depend on what else arrived with it (invariant 4). A prompt of ≥ 64
+        and so its tokens, depend on what else arrived with it (invariant 4: same inputs, same tokens). A prompt of ≥ 64
         tokens already fills the matrix units on its own.
         """
         rows = [self._prefill_one(it) for it in items]

@@ -349,7 +349,7 @@ def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, int4_decod
         assert together[name].token_ids == solo[name], name
 
 
-# ------------------------------ invariant 4 (same prompt, parameters and seed give the same tokens), serving dtype
+# ------------------------------ invariant 4 (same inputs, same tokens), serving dtype
 # What a worker runs by default: packed int4 decode over bf16 (hosts with native bf16) or fp32 (the
 # others; `--dtype auto`); dense fp32 decode is the extra case.
 

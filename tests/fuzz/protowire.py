@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every RPC a client or a peer can reach (DESIGN.md invariants 1, 2 and 5).
+"""Property-based fuzzing of every RPC a client or a peer can reach (invariants 1, 2 and 5: one terminal state, every KV block freed, no input crashes a service).
 
 Requests are built as raw protobuf bytes, not through the generated classes, so the servers also see
 what those classes refuse to write: invalid UTF-8 in string fields (lone surrogates), unknown and

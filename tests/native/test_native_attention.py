@@ -1,7 +1,7 @@
 """The native decode-attention kernel (common/engine/native/csrc/attention.c) on its own.
 
 Against the eager path it replaces (gather, widen to fp32, SDPA with a mask), and for the property
-invariant 4 (same tokens whatever the batch) needs of it: a row's output is the same bits whatever the
+invariant 4 (same inputs, same tokens) needs of it: a row's output is the same bits whatever the
 other rows, wherever its blocks lie in the cache, and however the rows are split between threads.
 """
 from __future__ import annotations

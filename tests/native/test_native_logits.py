@@ -1,7 +1,7 @@
 """logits.c (common/engine/native/csrc) through bindings.py: the int8 head's top-k refinement and greedy's argmax.
 
 Against plain references (a sort by the documented order, float64 dot products, torch's max), for what
-invariant 4 (same tokens whatever the batch) needs of them (a row's result never depends on the other
+invariant 4 (same inputs, same tokens) needs of them (a row's result never depends on the other
 rows), and alike in the host's build, the image's portable AVX2 build and the plain C one.
 """
 from __future__ import annotations

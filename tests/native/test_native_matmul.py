@@ -1,8 +1,8 @@
 """Decode's native weight matmuls (common/engine/native/csrc/matmul_*.c through bindings.py) on their own.
 
 Against the exact product of the same weights (the GGUF Q4 blocks dequantized, the int8 LM head times its
-scales) within the error the 16-bit activation quantization allows, and for what invariant 4 (same tokens
-whatever the batch) needs of them: a row's output is the same bits whatever the other rows, however many
+scales) within the error the 16-bit activation quantization allows, and for what invariant 4 (same inputs,
+same tokens) needs of them: a row's output is the same bits whatever the other rows, however many
 threads split the outputs, and in the AVX2 build and the portable C one alike.
 """
 from __future__ import annotations

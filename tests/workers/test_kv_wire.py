@@ -86,7 +86,7 @@ def test_wire_bytes_are_close_to_the_kv_bytes():
     kv = random_kv(SMOL, num_tokens)
     wire_bytes = sum(c.ByteSize() for c in encode_kv(kv, request_id="req-1", target_worker_id=WORKER,
                                                      target_epoch=EPOCH, fingerprint=SMOL))
-    kv_bytes = 2 * 30 * num_tokens * 3 * 64 * 2  # 23 MB, as DESIGN.md says
+    kv_bytes = 2 * 30 * num_tokens * 3 * 64 * 2  # 23 MB, as docs/architecture.md says
     assert SMOL.kv_bytes(num_tokens) == kv_bytes
     assert kv_bytes <= wire_bytes <= 1.05 * kv_bytes
 

@@ -18,8 +18,8 @@ from common.engine.native.bindings import DecodeKernels
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")  # every .c in it goes into the one library; its headers into the key
-# No -ffast-math: the kernel's sums must keep the order the source gives them, for invariant 4 (same tokens
-# whatever the batch).
+# No -ffast-math: the kernel's sums must keep the order the source gives them, for invariant 4 (same inputs,
+# same tokens).
 # -fno-trapping-math (one part of it, which changes no value: FP exceptions are never read here) lets GCC
 # turn a select into a blend, so that attention's softmax loop (exp_nonpositive's two selects) vectorizes:
 # with traps assumed it stayed scalar.

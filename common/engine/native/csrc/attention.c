@@ -5,7 +5,7 @@
  * SDPA: three passes over the context's bytes plus a mask. This reads each K and V row once, where it
  * lies, and accumulates in fp32.
  *
- * Invariant 4 (same tokens whatever the batch) needs a row's result never to depend on the other rows: a work
+ * Invariant 4 (same inputs, same tokens) needs a row's result never to depend on the other rows: a work
  * item is one (row, query head) pair (one row alone on several threads: its positions for the scores, its
  * dims for V) and reads nothing of other rows; every sum runs in a fixed order that depends only on the row's
  * own length (16 fixed lanes over head_dim, then a fixed tree; positions in order), never on addresses or on

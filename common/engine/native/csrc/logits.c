@@ -6,7 +6,7 @@
  *   argmax:     greedy's token, the first of the row's largest logits (what torch's max(dim) did, slower).
  * (docs/benchmarks.md, "Figures behind the code": Top-k refinement and argmax in C.)
  *
- * Invariant 4 (same tokens whatever the batch): each row alone, its operations fixed by its own values. The k
+ * Invariant 4 (same inputs, same tokens): each row alone, its operations fixed by its own values. The k
  * best are chosen by a total order (NaN above everything, -0 equal to +0, ties to the lower token id), so the
  * set never depends on the scan's vector width; an exact logit is one dot product with 8 lanes (lane l:
  * inputs l, l + 8, ... by fused multiply-adds in order) and a fixed tree over the lanes: the AVX2 and plain C

@@ -16,7 +16,7 @@
  * the fp32 kernel (matmul_q4_f32.c), the int8 digit kernels (matmul_q4_digits.c), the int8 LM head
  * (matmul_q8_head.c); native/choice.py picks the Q4 kernel per CPU. Each keeps a (row, output)'s operations
  * and their order independent of the batch, the tiling and the thread (its file says how), as invariant 4
- * (same tokens whatever the batch) needs, and the library is built without -ffast-math so that the compiler
+ * (same inputs, same tokens) needs, and the library is built without -ffast-math so that the compiler
  * keeps that order.
  *
  * Threads: the outputs' quads (or groups) are split between the threads of an OpenMP team, torch's

@@ -25,8 +25,8 @@
  * rounded to bf16, as torch's int4 kernel does) the weights keep their exact value and a row costs 6
  * instructions a block of a quad at any batch size.
  *
- * A (row, output)'s operations and their order do not depend on the rows beside it: invariant 4 (same tokens
- * whatever the batch). */
+ * A (row, output)'s operations and their order do not depend on the rows beside it: invariant 4 (same inputs,
+ * same tokens). */
 #define BF16DOT_LANES 4 /* fp32 lanes per output and block: a 128-bit lane of the 512-bit register */
 #define BF16DOT_SUMS (2 * BF16DOT_LANES) /* a row's floats a block: its lane sums, then -128 times them */
 

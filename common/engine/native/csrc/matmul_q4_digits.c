@@ -14,7 +14,7 @@
  * are the same instructions in the same order, so both give the same bits: q4_matmul_amx takes a batch of
  * fewer than AMX_MIN_ROWS rows to the vector kernel (too few rows to share the tile unit's fixed cost a
  * block: B stored and loaded, C stored and read back) and a larger one to the tiles, and invariant 4 (same
- * tokens whatever the batch) holds across the switch: a row's result does not depend on the batch's size.
+ * inputs, same tokens) holds across the switch: a row's result does not depend on the batch's size.
  */
 #define _GNU_SOURCE /* syscall(), for arch_prctl (the AMX tile state): -std=c11 alone leaves it undeclared */
 #include "matmul.h"

@@ -10,7 +10,7 @@
  * (torch._int_mm) has no fast path on AVX2-only hosts. (The q8 head, whose codes share one scale an output,
  * quantizes a row whole instead: matmul_q8_head.c.)
  *
- * Invariant 4 (same tokens whatever the batch) needs a row's result never to depend on the other rows: a row
+ * Invariant 4 (same inputs, same tokens) needs a row's result never to depend on the other rows: a row
  * is quantized alone, and every (row, output) pair runs the same operations in the same order whatever the
  * batch, the tiling or the thread: per block an exact integer sum into 8 lanes (lane l: inputs 2l, 2l + 1,
  * 16 + 2l, 17 + 2l), then one fused multiply-add per lane, blocks in order; then a fixed tree over the lanes,

@@ -5,7 +5,7 @@
  * output) is one exact integer sum over all its inputs, sum xq w, and the output (float)sum * s * scale[o]:
  * no scaling per block (docs/benchmarks.md, "Figures behind the code": LM head: one scale a row), and the
  * same integer however the sum is split, so that any tiling, any batch and every build (AVX-512, AVX2, plain
- * C) give a row the same bits, as invariant 4 (same tokens whatever the batch) needs. The LM head's logits
+ * C) give a row the same bits, as invariant 4 (same inputs, same tokens) needs. The LM head's logits
  * are approximate by design: the fp32 refinement recomputes the best of each row. */
 #include "matmul.h"
 
