@@ -8,14 +8,12 @@ worker parks K/V that arrived over the wire in its pool (`park`) and then submit
 sequence that continues from it. The Scheduler (scheduler.py) decides what runs; the
 Engine runs it on its thread, samples and streams.
 
-A sequence's tokens never depend on how it got its K/V (invariant 4: same inputs, same tokens).
-The prompt's K/V always comes from one prefill forward of the prompt alone, and every completion token's K/V from a decode-step row (rows are batch-invariant, see
-model.py). So a sequence that resumes with tokens it already has (after a failover, or after
-preemption here) prefills its prompt only and then *replays* the known tokens as decode rows
-(several per step, K/V only), instead of prefilling them, which would compute their K/V with other
-GEMM shapes and other bits.
-"""
-from __future__ import annotations
+A sequence's tokens never depend on how it got its K/V (invariant 4: same inputs, same tokens). The
+prompt's K/V always comes from one prefill forward of the prompt alone, and every completion token's K/V
+from a decode-step row (rows are batch-invariant, see model.py). So a sequence that resumes with tokens
+it already has (after a failover, or after preemption here) prefills its prompt only and then *replays*
+the known tokens as decode rows (several per step, K/V only), instead of prefilling them, which would
+compute their K/V with other GEMM shapes and other bits. """ from __future__ import annotations
 
 import concurrent.futures
 import logging
