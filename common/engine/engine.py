@@ -13,7 +13,9 @@ prompt's K/V always comes from one prefill forward of the prompt alone, and ever
 from a decode-step row (rows are batch-invariant, see model.py). So a sequence that resumes with tokens
 it already has (after a failover, or after preemption here) prefills its prompt only and then *replays*
 the known tokens as decode rows (several per step, K/V only), instead of prefilling them, which would
-compute their K/V with other GEMM shapes and other bits. """ from __future__ import annotations
+compute their K/V with other GEMM shapes and other bits.
+"""
+from __future__ import annotations
 
 import concurrent.futures
 import logging
