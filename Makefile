@@ -1,5 +1,6 @@
 # The project's stable interface: `make run`, `make test`, `make bench`.
 # `make bench-peers` adds llama.cpp, the engine benchmark's second peer (a long compile).
+# `make gpu-check` checks the CUDA path on a machine with a GPU (under 10 minutes; without one it says so).
 # Each target creates (or reuses) the virtual environment in .venv first.
 PYTHON ?= python3
 VENV := .venv
@@ -23,7 +24,7 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS += '-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)'
 endif
 
-.PHONY: run test bench bench-load bench-peers protos clean venv
+.PHONY: run test bench bench-load bench-peers gpu-check protos clean venv
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +58,11 @@ bench: protos
 # for a 2-minute smoke). Writes docs/loadgen-*.png after a full run.
 bench-load: protos
 	$(PY) -m bench.loadgen $(ARGS)
+
+# The CUDA path on a GPU machine: numerics against HF on the GPU, the engine-failure and a decode kill's fault
+# tests on CUDA, the engine benchmark there (tests/gpu/check.py). Without a CUDA device: a line, exit 0.
+gpu-check: protos
+	$(PY) -m tests.gpu.check $(ARGS)
 
 # Uninstalled first, so that a build from before a change of flags (or another host's) is replaced.
 bench-peers: $(STAMP)

@@ -4,6 +4,7 @@
     python -m bench.engine --quick            # CI smoke: small sizes, under 2 minutes
     python -m bench.engine --only prefill decode --dtype fp32
     python -m bench.engine --profile          # top ops of one decode step at batch 1 and 32 (stderr)
+    python -m bench.engine --device cuda --quick --only prefill decode   # ours and HF on the GPU
 
 Prints one JSON object per figure on stdout: {"name", "value", "unit"}, plus "peer", "peer_value" and
 "ratio" (= value / peer_value) where the peer ran in the same process; "target" and "met" where the
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 CHAT_PROMPT_LEN = 107  # the decode context the figures use: a 107-token chat prompt
 LONG_CONTEXT = 1024  # one stream again at a long context, where attention is most of a step (not in --quick)
 SECTIONS = ("bandwidth", "prefill", "decode", "memory", "dtypes", "prefix")
+GPU_SECTIONS = ("prefill", "decode", "prefix")  # what --device cuda measures
 PEER = "hf-transformers"
 LLAMA_CPP_PREFILL_LENS = (128, 512)  # the prompt lengths llama.cpp prefills (the issue's; 2,048 is HF's alone)
 
@@ -67,16 +69,24 @@ def quiet_hf() -> None:
 
 # ----------------------------------------------------------------------------- the two systems
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a GPU call returns before its kernels run, so a timing without
+    this measures their launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Ours:
     name = "handoff"
 
-    def __init__(self, dtype: str, num_blocks: int):
+    def __init__(self, dtype: str, num_blocks: int, device: str = "cpu"):
         from common.engine.model_files import resolve_model_path
         from common.engine.runner import ModelRunner
         from common.engine.tokenizer import load_tokenizer
 
-        self.runner = ModelRunner.load(MODEL, dtype=dtype, num_blocks=num_blocks, progress=False)
+        self.runner = ModelRunner.load(MODEL, dtype=dtype, num_blocks=num_blocks, progress=False, device=device)
         self.model = self.runner.model
+        self.device = self.model.device
         self.tokenizer = load_tokenizer(resolve_model_path(MODEL))
 
     def prefill_s(self, ids: list[int]) -> float:
@@ -87,6 +97,7 @@ class Ours:
         try:
             t0 = time.perf_counter()
             self.runner.prefill([PrefillItem("prefill", ids)])
+            synchronize(self.device)
             return time.perf_counter() - t0
         finally:
             pool.free("prefill")
@@ -95,10 +106,10 @@ class Ours:
 class HF:
     name = PEER
 
-    def __init__(self, dtype: str, model=None):
+    def __init__(self, dtype: str, model=None, device: str = "cpu"):
         """model: an HF model of the same GGUF already loaded in `dtype` (tests share one rather than load
         their own: docs/benchmarks.md, "Figures behind the code": Tests share one HF model), else it is
-        loaded here."""
+        loaded here, onto `device`."""
         from transformers import AutoModelForCausalLM, GgufConfig
 
         from common.engine.model_files import resolve_model_path
@@ -108,18 +119,21 @@ class HF:
         if model is not None:
             assert model.dtype == parse_dtype(dtype), (model.dtype, dtype)
             self.model = model
+            self.device = model.device
             return
         p = resolve_model_path(MODEL)
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(p.parent), gguf_file=p.name, dtype=parse_dtype(dtype),
-            quantization_config=GgufConfig(dequantize=True)).eval()
+            str(p.parent), gguf_file=p.name, dtype=parse_dtype(dtype, device),
+            quantization_config=GgufConfig(dequantize=True)).eval().to(device)
+        self.device = self.model.device
 
     @torch.inference_mode()
     def prefill_s(self, ids: list[int]) -> float:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.device)
         t0 = time.perf_counter()
         # logits_to_keep=1: only the last position's logits, as generate() asks for in a prefill.
         self.model(input_ids=x, use_cache=True, logits_to_keep=1)
+        synchronize(self.device)
         return time.perf_counter() - t0
 
 
@@ -280,7 +294,8 @@ class HFDecode:
     @torch.inference_mode()
     def __init__(self, hf: HF, prompt_ids: list[int], bsz: int, max_tokens: int):
         self.model = hf.model
-        out = self.model(input_ids=torch.tensor([prompt_ids] * bsz), use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=torch.tensor([prompt_ids] * bsz, device=hf.device), use_cache=True,
+                         logits_to_keep=1)
         self.cache = out.cache
         self.next = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
         self.tokens = [self.next[0, 0].item()]
@@ -337,13 +352,13 @@ def bench_prefill(ours: Ours, hf: HF, sizes: dict[int, int], llama: LlamaCpp | N
                  best_ratio=min(t[llamacpp.NAME]) / min(t["ours"]))
 
 
-def bench_prefix(dtype: str, rounds: int) -> None:
+def bench_prefix(dtype: str, rounds: int, device: str = "cpu") -> None:
     """Time to first token with a 1,024-token system prompt the prefix cache holds (warm) against one it
     does not (cold), each with a new 32-token question, alternating: what a prefill worker saves."""
     from common.engine.engine import Engine, EngineConfig
     from common.engine.sampling import SamplingParams
 
-    warm, cold = Ours(dtype, 256), Ours(dtype, 256)
+    warm, cold = Ours(dtype, 256, device), Ours(dtype, 256, device)
     tok = warm.tokenizer
     system = system_prompt(tok, "opening hours", 1024)
     engines = {"warm": Engine(warm.runner, tok, EngineConfig(prefill_only=True)),
@@ -423,10 +438,11 @@ def step_in_turn(loops: list, rows: int, steps: int, warmup: int,
 
 
 def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int,
-                 bandwidth: ReadBandwidth, dtype: str, llama: LlamaCpp | None = None,
+                 bandwidth: ReadBandwidth | None, dtype: str, llama: LlamaCpp | None = None,
                  long_context: int | None = None) -> None:
     """Per batch size: the engine, the bare runner and HF (and llama.cpp at batch 1) step in turn, one step
-    each, `steps` times. With `long_context`, one stream again after a prompt of that many tokens."""
+    each, `steps` times. With `long_context`, one stream again after a prompt of that many tokens. Without
+    `bandwidth` (on a GPU: the host memory's speed bounds nothing there), no passes and no bounds."""
     from bench.bandwidth import decode_bound_tok_s
     from common.engine.planner import kv_bytes_per_token
 
@@ -445,13 +461,14 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
         if llama is not None and bsz == 1:
             loops.append(llamacpp.LlamaCppDecode(llama, prompt_ids, max_tokens))
         settle = None
-        if bsz == 1:  # the pass, then an untimed step of ours: every timed step follows a decode step
+        # The pass, then an untimed step of ours: every timed step follows a decode step.
+        if bsz == 1 and bandwidth is not None:
             settle = RunnerDecode(ours, prompt_ids, bsz, max_tokens, name="settle")
             loops.append(BandwidthPasses(bandwidth, settle=partial(settle.steps, 1)))
         by_name = {loop.name: loop for loop in loops}
         times: dict[str, list[float]] = {}
         tok_s, best = step_in_turn(loops, bsz, steps, warmup, times)
-        if bsz == 1:
+        if BandwidthPasses.name in times:
             pass_s = times[BandwidthPasses.name]
             for d in (tok_s, best):
                 del d[BandwidthPasses.name]
@@ -488,7 +505,8 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
             loop.close()
         del loops, by_name
         gc.collect()
-        bandwidth.measure(2)  # more passes spread over the run: the best one is the machine's
+        if bandwidth is not None:
+            bandwidth.measure(2)  # more passes spread over the run: the best one is the machine's
     if 1 in first_seq_tokens:
         # The same prompt decoded alone and inside a batch: shows whether a sequence's tokens depend on
         # its company (invariant 4: same inputs, same tokens); the runner keeps one weight format at every batch size for this.
@@ -501,6 +519,8 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
                      target=f"== {n}", met=same == n)
     if long_context and 1 in batches:
         bench_decode_long(ours, hf, long_context, steps, warmup, llama)
+    if bandwidth is None:
+        return
     gbs = bandwidth.gbs
     emit("memory_read_bandwidth", gbs, "GB/s (best pass, torch row-sum over fp32)", passes=bandwidth.num_passes,
          tensor_bytes=bandwidth.num_bytes)
@@ -664,7 +684,15 @@ def main(argv: list[str] | None = None) -> None:
     p = base_parser("python -m bench.engine", __doc__, SECTIONS)
     p.add_argument("--profile", action="store_true", help="profile one decode step at batch 1 and 32 (stderr)")
     p.add_argument("--memory-probe", choices=("ours", "hf"), help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu",
+                   help=f"cpu, or cuda[:N]: ours and HF on the GPU, sections {', '.join(GPU_SECTIONS)} only (the "
+                        "others measure the host: its memory bandwidth, RSS, its dtypes; llama.cpp runs on the CPU)")
     args = p.parse_args(argv)
+    on_gpu = torch.device(args.device).type != "cpu"
+    if on_gpu and args.only and not set(args.only) <= set(GPU_SECTIONS):
+        p.error(f"--device {args.device}: --only takes {', '.join(GPU_SECTIONS)}")
+    if on_gpu and (args.profile or args.memory_probe):
+        p.error(f"--device {args.device}: --profile and the memory probes measure the CPU")
     torch.set_num_threads(args.threads)
     if args.memory_probe:
         return memory_probe(args.memory_probe, args.dtype)
@@ -673,6 +701,8 @@ def main(argv: list[str] | None = None) -> None:
     q = args.quick
     # --quick leaves out the memory probes (two more model loads) unless --only names them.
     sections = set(args.only or (set(SECTIONS) - {"memory"} if q else SECTIONS))
+    if on_gpu:
+        sections &= set(GPU_SECTIONS)
     prefill_sizes = {128: 5} if q else {128: 15, 512: 9, 2048: 5}
     batches = [1, 8] if q else [1, 8, 32]
     steps, warmup = (16, 4) if q else (64, 8)
@@ -684,12 +714,13 @@ def main(argv: list[str] | None = None) -> None:
     from common.engine.runner import DTYPE_NAMES
 
     asked = args.dtype
-    args.dtype = DTYPE_NAMES[auto_dtype()[0]] if asked == "auto" else asked
-    log(f"dtype {args.dtype}{' (auto)' if asked == 'auto' else ''}, {args.threads} threads, "
+    args.dtype = DTYPE_NAMES[auto_dtype(args.device)[0]] if asked == "auto" else asked
+    log(f"dtype {args.dtype}{' (auto)' if asked == 'auto' else ''}, {args.threads} threads, device {args.device}, "
         f"sections {sorted(sections)}{' (quick)' if q else ''}")
-    emit_machine(dtype=args.dtype, dtype_asked=asked, why=auto_dtype()[1], threads=args.threads,
-                 decode_matmuls=matmuls_mode()[1], transparent_huge_pages=pages.thp_mode(),
-                 huge_pages=pages.enabled())
+    gpu = dict(gpu=torch.cuda.get_device_name(args.device), torch_cuda=torch.version.cuda) if on_gpu else {}
+    emit_machine(dtype=args.dtype, dtype_asked=asked, why=auto_dtype(args.device)[1], threads=args.threads,
+                 device=args.device, decode_matmuls=matmuls_mode()[1] if not on_gpu else "torch (GPU)",
+                 transparent_huge_pages=pages.thp_mode(), huge_pages=pages.enabled(), **gpu)
     emit_load_avg("start")
 
     probes = start_memory_probes(args.dtype, args.threads) if "memory" in sections else {}
@@ -700,13 +731,16 @@ def main(argv: list[str] | None = None) -> None:
         num_blocks = max(max(prefill_sizes) // 16 + 1,
                          2 * max(batches) * -(-(CHAT_PROMPT_LEN + max_tokens) // 16),
                          2 * -(-((long_context or 0) + max_tokens) // 16))
-        ours, hf = Ours(args.dtype, num_blocks), HF(args.dtype)
-        llama = load_llama_cpp(llama_cpp_figures(sections, prefill_sizes, batches, long_context), args.threads,
-                               n_ctx=max(*LLAMA_CPP_PREFILL_LENS, (long_context or CHAT_PROMPT_LEN) + max_tokens))
+        ours, hf = Ours(args.dtype, num_blocks, args.device), HF(args.dtype, device=args.device)
+        if not on_gpu:  # llama.cpp here is a CPU build: no peer of ours on a GPU
+            llama = load_llama_cpp(llama_cpp_figures(sections, prefill_sizes, batches, long_context),
+                                   args.threads, n_ctx=max(*LLAMA_CPP_PREFILL_LENS,
+                                                           (long_context or CHAT_PROMPT_LEN) + max_tokens))
     if probes:
         log("waiting for the memory probes")
         bench_memory(probes)
-    if sections & {"bandwidth", "decode"}:
+    bandwidth = None
+    if sections & {"bandwidth", "decode"} and not on_gpu:
         from bench.bandwidth import ReadBandwidth
         bandwidth = ReadBandwidth((256 << 20) if q else (1 << 30))
         bandwidth.measure(4)
@@ -719,7 +753,7 @@ def main(argv: list[str] | None = None) -> None:
     if "decode" in sections:
         bench_decode(ours, hf, batches, steps, warmup, bandwidth, args.dtype, llama, long_context)
     if "prefix" in sections:
-        bench_prefix(args.dtype, 5 if q else 9)
+        bench_prefix(args.dtype, 5 if q else 9, args.device)
     if "dtypes" in sections:
         del ours, hf
         gc.collect()

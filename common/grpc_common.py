@@ -209,6 +209,12 @@ def set_serving(health_servicer: health.HealthServicer, service_names: list[str]
         health_servicer.set(name, status)
 
 
+def set_dead(health_servicer: health.HealthServicer, service_names: list[str]) -> None:
+    """NOT_SERVING everywhere, liveness too: the process can serve nothing more until it is restarted."""
+    set_serving(health_servicer, service_names, False)
+    health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 class PortInUse(RuntimeError):
     """A port could not be bound; the message names the flag that sets it."""
 

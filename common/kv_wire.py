@@ -171,8 +171,11 @@ class KVReceiver:
     """
 
     def __init__(self, *, expected_fingerprint: ModelFingerprint, worker_id: str, epoch: str, max_bytes: int,
-                 admit: Callable[[internal_pb2.KVHeader], None] = lambda header: None):
+                 admit: Callable[[internal_pb2.KVHeader], None] = lambda header: None, pin_memory: bool = False):
+        """pin_memory: assemble the K/V in page-locked memory (where it goes on to a GPU: its copy there is
+        then one direct, asynchronous transfer)."""
         self.expected_fingerprint = expected_fingerprint
+        self.pin_memory = pin_memory
         self.worker_id = worker_id
         self.epoch = epoch
         self.max_bytes = max_bytes
@@ -183,10 +186,11 @@ class KVReceiver:
         self.num_chunks_received = 0
         self.kv_bytes = 0  # payload bytes received so far
         self._open = False  # a header was accepted and finish() has not run
-        # One segment: the payload's bytes, viewed as the tensor at finish(). Several: the segment
-        # being received; each is copied into _kv as it completes (_seg is its index, _seg_start its
-        # first byte and _seg_token its first token), so finish() has nothing left to assemble.
-        self._buf: bytearray | None = None
+        # One segment: the payload's bytes, viewed as the tensor at finish() (with pin_memory, a byte view
+        # of _kv, page-locked bytes). Several: the segment being received; each is copied into _kv as it
+        # completes (_seg is its index, _seg_start its first byte and _seg_token its first token), so
+        # finish() has nothing left to assemble.
+        self._buf: bytearray | memoryview | None = None
         self._segments: list[int] = []
         self._kv: torch.Tensor | None = None
         self._seg = self._seg_start = self._seg_token = 0
@@ -239,8 +243,11 @@ class KVReceiver:
         self._segments = segments
         if len(segments) > 1:  # bounded by max_bytes above, plus one segment being received
             self._kv = torch.empty(fp.num_layers, 2, header.num_tokens, fp.num_kv_heads, fp.head_dim,
-                                   dtype=fp.torch_dtype)
+                                   dtype=fp.torch_dtype, pin_memory=self.pin_memory)
             self._buf = bytearray(fp.kv_bytes(segments[0]))
+        elif self.pin_memory:  # written through a byte view; finish() views the tensor itself, not a copy
+            self._kv = torch.empty(header.total_bytes, dtype=torch.uint8, pin_memory=True)
+            self._buf = memoryview(self._kv.numpy())
         else:
             self._buf = bytearray(header.total_bytes)  # bounded by max_bytes above
         self._open = True
@@ -290,7 +297,7 @@ class KVReceiver:
         if crc != data.crc32:
             raise KVTransferError("checksum", f"chunk {data.index} (offset {data.offset}, {size} bytes): "
                                               f"crc32 expected {data.crc32:#010x}, computed {crc:#010x}")
-        if self._kv is None:
+        if len(self._segments) == 1:
             self._buf[data.offset:end] = data.payload
         else:
             self._write_segments(data.offset, memoryview(data.payload))
@@ -339,8 +346,11 @@ class KVReceiver:
                                                f"{header.total_bytes} bytes)")
         fp = self.expected_fingerprint
         self._open, self._buf = False, None  # the tensor now owns the bytes
+        shape = (fp.num_layers, 2, header.num_tokens, fp.num_kv_heads, fp.head_dim)
         if self._kv is not None:
             kv, self._kv = self._kv, None
-            return kv  # every segment was placed as it completed
+            if len(self._segments) > 1:
+                return kv  # every segment was placed as it completed
+            return kv.view(fp.torch_dtype).view(shape)  # the page-locked bytes, as K/V
         kv = torch.frombuffer(buf, dtype=fp.torch_dtype)  # zero-copy view of the received bytes
-        return kv.view(fp.num_layers, 2, header.num_tokens, fp.num_kv_heads, fp.head_dim)
+        return kv.view(shape)

@@ -172,8 +172,10 @@ class Registration:
             self._on_status(current)
 
     def stop(self, deregister: bool = True) -> None:
+        """End the heartbeat (also before start(): it then never beats) and leave the registry."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         if deregister:
             info = self._info()
             try:
@@ -197,6 +199,8 @@ class WorkerBase:
         self._model = model
         self.tokenizer = tokenizer
         self.draining = threading.Event()
+        self.engine_failed = threading.Event()  # the engine thread died: this worker serves nothing more
+        self._health_lock = threading.Lock()
         self.drain_requested = threading.Event()  # an operator ran `python -m router.status drain`
         # What a drain request does: stop in the background here; serve() makes it do what SIGTERM does.
         self.on_drain_request: Callable[[], None] = self._stop_in_background
@@ -206,8 +210,13 @@ class WorkerBase:
         self.metrics_port = 0  # set by serve() once /metrics listens
         self._published: tuple[list[bytes], float] = ([], 0.0)  # prefix hashes last published, and when
         self.server = None
+        self.health = None
         self.health_server = None
         self.engine = None
+        self.registration: Registration | None = None
+        # Called (on the engine thread) once the engine has failed and this worker is out of service:
+        # serve() makes it end the process, so that its supervisor starts a fresh one.
+        self.on_engine_failure: Callable[[], None] = lambda: None
         # Built once: every outgoing internal channel presents this worker's certificate.
         self.channel_credentials = security.channel_credentials(config.tls)
 
@@ -246,9 +255,20 @@ class WorkerBase:
         cache = KVCache(self.model.config, self._num_blocks(), self.config.block_size, self.model.dtype,
                         self.model.device)
         runner = ModelRunner(self.model, cache, self.config.int4_decode)
-        self.engine = Engine(runner, self.tokenizer, self._engine_config()).start()
+        # Readiness (the overall and per-service health) follows the registration: SERVING only while
+        # routers can see this worker. Liveness ("liveness") stays SERVING while the process runs and its
+        # engine lives, so a Redis outage never gets a busy pod restarted. Made (not started) before the
+        # engine, whose failure stops it whenever that comes (_engine_failure).
+        self.registration = Registration(
+            self.state, self.info, interval_s=self.config.heartbeat_s, ttl_s=self.config.heartbeat_ttl_s,
+            on_status=self._registration_status, on_beat=self._after_beat)
+        self.engine = Engine(runner, self.tokenizer, self._engine_config())
+        self.engine.failure_listeners.append(self._engine_failure)
+        self.engine.start()
         self.server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
         self.health = grpc_common.add_health_and_reflection(self.server, self.service_names)
+        if self.engine_failed.is_set():
+            grpc_common.set_dead(self.health, self.service_names)
         self._add_services(self.server)
         port = grpc_common.bind(self.server, self.config.host, self.config.port, self.server_credentials,
                               flag="--port")
@@ -257,14 +277,7 @@ class WorkerBase:
         self.server.start()
         if self.config.health_port:
             self.health_server = grpc_common.serve_health(self.health, self.config.host, self.config.health_port)
-        # Readiness (the overall and per-service health) follows the registration: SERVING only while
-        # routers can see this worker. Liveness ("liveness") stays SERVING while the process runs, so
-        # a Redis outage never gets a busy pod restarted.
-        self.registration = Registration(
-            self.state, self.info, interval_s=self.config.heartbeat_s, ttl_s=self.config.heartbeat_ttl_s,
-            on_status=lambda current: grpc_common.set_serving(
-                self.health, self.service_names, current and not self.draining.is_set()),
-            on_beat=self._after_beat).start()
+        self.registration.start()
         log.info("%s worker %s listening on %s:%d (epoch %s, %s)", self.config.role, self.config.worker_id,
                  self.config.host, self.config.port, self.epoch,
                  "mutual TLS" if self.server_credentials else "plaintext")
@@ -272,6 +285,37 @@ class WorkerBase:
 
     def _add_services(self, server) -> None:
         raise NotImplementedError
+
+    def _engine_failure(self, exc: BaseException) -> None:
+        """The engine thread died (it logged why) and is about to end every request it held with the error.
+        This worker can serve nothing more: out of service at once, so that routers send it nothing new
+        and fail its requests over elsewhere, charged to it. Health says NOT_SERVING on every service,
+        liveness included (only a new process brings an engine back, so Kubernetes restarts the pod), new
+        calls are refused, and it leaves the registry (with its leases) on a thread of its own, so the
+        engine does not wait on Redis to end its requests; if Redis cannot be reached, the entry lapses
+        within heartbeat_ttl_s, as no heartbeat renews it any more (invariant 6 (a stated worst-case bound):
+        a cut-off worker stops getting work)."""
+        with self._health_lock:
+            self.engine_failed.set()
+            if self.health is not None:
+                grpc_common.set_dead(self.health, self.service_names)
+        log.error("%s worker %s: its engine failed (%s: %s); out of service: NOT_SERVING, leaving the registry",
+                  self.config.role, self.config.worker_id, type(exc).__name__, exc)
+        threading.Thread(target=self._leave_registry, name="engine-failed", daemon=True).start()
+        self.on_engine_failure()
+
+    def _registration_status(self, current: bool) -> None:
+        """The heartbeat's say on readiness: SERVING while routers see this worker, unless it drains or its
+        engine failed (the lock keeps a beat that lands as the engine fails from saying SERVING after it)."""
+        with self._health_lock:
+            grpc_common.set_serving(self.health, self.service_names,
+                                    current and not self.draining.is_set() and not self.engine_failed.is_set())
+
+    def _leave_registry(self) -> None:
+        try:
+            self.registration.stop(deregister=True)
+        except Exception:  # noqa: BLE001 - the entry still lapses by itself within heartbeat_ttl_s
+            log.exception("could not leave the registry after the engine failed")
 
     def max_rpcs(self) -> int:
         """Calls the main server runs at once; beyond, gRPC answers RESOURCE_EXHAUSTED."""
@@ -320,6 +364,10 @@ class WorkerBase:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.config.role} worker {self.config.worker_id} is shutting down; "
                                f"retry on another worker")
+        if self.engine_failed.is_set():
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{self.config.role} worker {self.config.worker_id} is out of service: its engine "
+                               f"failed ({self.engine.failure!r}); retry on another worker")
         key = (rpc, request_id)
         with self._inflight_lock:
             # A second call for the same id would fail in the engine, and its end would cancel the
@@ -399,12 +447,17 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     worker = worker_cls(config, StateStore(client))
     worker.metrics_port = metrics_port
     worker.on_drain_request = stop.set  # `python -m router.status drain` does what SIGTERM does
+    worker.on_engine_failure = stop.set  # nothing left to serve: exit, and let the supervisor start anew
     try:
         try:
             worker.start()
         except grpc_common.PortInUse as exc:
             raise SystemExit(f"{config.role} worker: {exc}") from None  # one line, no traceback
         stop.wait()
+        if worker.engine_failed.is_set():
+            worker.stop(drain_timeout_s=1.0)  # the engine has ended every request already
+            raise SystemExit(f"{config.role} worker {worker.config.worker_id}: the engine failed "
+                             f"({worker.engine.failure!r}); exiting")
         log.info("%s: draining", "drain requested" if worker.drain_requested.is_set() else "signal received")
         worker.stop()
     finally:

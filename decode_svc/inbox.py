@@ -32,6 +32,7 @@ class KVInbox:
         self._cancelled: dict[str, float] = {}
         # key -> (monotonic deadline, callback) of take_async() calls still waiting
         self._waiters: dict[str, tuple[float, Callable[[int | None], None]]] = {}
+        self._abandoned = False  # abandon(): no K/V is coming any more
 
     def accepting(self, key: str) -> bool:
         """Whether a push for key may still be parked (checked before placing it in the pool)."""
@@ -62,7 +63,7 @@ class KVInbox:
                 if entry is not None:
                     return entry[1]
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not is_active():
+                if remaining <= 0 or not is_active() or self._abandoned:
                     return None
                 self._cond.wait(min(remaining, 0.1))
 
@@ -72,10 +73,10 @@ class KVInbox:
         (seen by sweep()) or the key is cancelled."""
         with self._cond:
             entry = self._arrived.pop(key, None)
-            if entry is None:
+            if entry is None and not self._abandoned:
                 self._waiters[key] = (time.monotonic() + timeout_s, callback)
                 return
-        callback(entry[1])
+        callback(entry[1] if entry is not None else None)
 
     def cancel(self, key: str) -> bool:
         """The key's Decode call ended: drop what is parked for it and refuse what comes later.
@@ -105,6 +106,18 @@ class KVInbox:
         for key in stale:
             self._drop(key)
         for callback in expired:
+            callback(None)
+
+    def abandon(self) -> None:
+        """Nothing will be decoded here any more (the engine failed, and freed what was parked): forget the
+        K/V that arrived, and every take_async() still waiting gets callback(None) now (no sweep would
+        come to expire it)."""
+        with self._cond:
+            self._abandoned = True
+            self._arrived.clear()
+            waiters, self._waiters = list(self._waiters.values()), {}
+            self._cond.notify_all()
+        for _, callback in waiters:
             callback(None)
 
     @property

@@ -1,6 +1,7 @@
 """The decode worker: receives KV pushes into its paged pool and streams tokens until each sequence stops."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import queue
@@ -25,6 +26,17 @@ from decode_svc.router_session import DecodeSession, PendingEvent
 from protos import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# A push the engine did not place: a prefix evicted since CachedPrefix answered is ABORTED (the sender pushes
+# it all again); an engine that failed or stops, or K/V it could not copy into its pool (a device error, out
+# of device memory), is this worker's failure, UNAVAILABLE; no room is RESOURCE_EXHAUSTED. The sender
+# charges each to this worker (prefill_svc/push.py).
+_PARK_REFUSED_CODES = {
+    "evicted": grpc.StatusCode.ABORTED,
+    "failed": grpc.StatusCode.UNAVAILABLE,
+    "stopped": grpc.StatusCode.UNAVAILABLE,
+    "unplaceable": grpc.StatusCode.UNAVAILABLE,
+}
 
 # A rejected push says why in its status code: the sender can tell a stale target from bad bytes.
 _KV_ERROR_CODES = {
@@ -74,6 +86,10 @@ class DecodeWorker(WorkerBase):
         return EngineConfig(max_prefill_tokens=self.config.max_prefill_tokens, max_running=self.config.max_running,
                             prefill_chunk_tokens=self.config.prefill_chunk_tokens,
                             prefix_caching=self.config.prefix_caching, detokenize=False)
+
+    def _engine_failure(self, exc: BaseException) -> None:
+        super()._engine_failure(exc)
+        self.inbox.abandon()  # Decode calls waiting for K/V this worker can no longer decode end now
 
     def max_rpcs(self) -> int:
         # Every Decode stream and every push holds a lease of at least one block, so the pool bounds
@@ -165,6 +181,10 @@ class DecodeWorker(WorkerBase):
 
     def check_kv(self, job: DecodeJob, kv_len: int | None, wait_s: float) -> None:
         """What the KV wait gave: the push's token count once it is parked, None if it never came."""
+        if kv_len is None and self.engine_failed.is_set():
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"decode worker {self.config.worker_id} is out of service: its engine failed "
+                               f"({self.engine.failure!r}); retry {job.request_id} on another worker")
         if kv_len is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"the KV of {job.request_id} did not arrive within {wait_s:.1f} s; the prefill "
@@ -249,8 +269,10 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
     def PushKV(self, request_iterator, context):
         w = self.w
         wid = w.config.worker_id
+        # Received straight into page-locked memory when the pool is on a GPU: the copy into it is then direct.
         receiver = KVReceiver(expected_fingerprint=w.fingerprint(), worker_id=wid, epoch=w.epoch,
-                              max_bytes=w.max_kv_bytes(), admit=self._admit)
+                              max_bytes=w.max_kv_bytes(), admit=self._admit,
+                              pin_memory=w.engine.runner.cache.kv.device.type == "cuda")
         t0 = time.perf_counter()
         try:
             for chunk in request_iterator:
@@ -273,16 +295,24 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
         # engine thread tells the inbox the moment it is placed, so a Decode already waiting for it is
         # submitted then and joins the next step, instead of the one after it.
         num_tokens = len(header.prefix_hashes) * w.engine.pool.block_size + receiver.num_tokens
-        refused = w.engine.park(key, kv, list(header.prefix_hashes),
-                                claim=lambda: w.inbox.arrived(key, num_tokens)).result(timeout=w.config.kv_wait_s)
+        placed = w.engine.park(key, kv, list(header.prefix_hashes), claim=lambda: w.inbox.arrived(key, num_tokens))
         del kv
+        try:
+            refused = placed.result(timeout=w.config.kv_wait_s)
+        except concurrent.futures.TimeoutError:
+            # The engine never got to it (a step that hangs): this worker's failure, not the sender's. The
+            # tombstone makes its claim fail, so the K/V is freed if it is ever placed.
+            w.inbox.cancel(key)
+            metrics.KV_FAILURES.labels(wid, "timeout").inc()
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"KV of {rid} not placed within {w.config.kv_wait_s:.0f} s: decode worker {wid}'s "
+                               f"engine is not answering") from None
         if refused is not None and refused.code == "unclaimed":
             raise cancelled
         if refused is not None:
             metrics.KV_FAILURES.labels(wid, refused.code).inc()
-            # A prefix evicted since CachedPrefix answered: the sender pushes it all again.
-            code = grpc.StatusCode.ABORTED if refused.code == "evicted" else grpc.StatusCode.RESOURCE_EXHAUSTED
-            raise ServiceError(code, f"KV of {rid} refused: {refused}")
+            raise ServiceError(_PARK_REFUSED_CODES.get(refused.code, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                               f"KV of {rid} refused by decode worker {wid}: {refused}")
         return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)
 
     def _admit(self, header: internal_pb2.KVHeader) -> None:

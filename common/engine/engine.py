@@ -82,6 +82,16 @@ class Engine:
         # the sinks: a sink that batches (a decode session) sends one message per step. Thread-safe to
         # append to and remove from.
         self.step_listeners: list[Callable[[], None]] = []
+        # Called on the engine thread, once, if the thread fails (the exception it died of), before it ends
+        # what it holds: a worker takes itself out of service there. Keep it short; append before start().
+        self.failure_listeners: list[Callable[[BaseException], None]] = []
+        self.failure: BaseException | None = None  # what the thread died of, if it did
+        # Once the thread has ended, how it answers what is still handed to it: (finish reason, error, park
+        # refusal). Set under _closing, which every put into the inbox takes too: after the thread's last
+        # drain nothing can land in the inbox unanswered.
+        self._closed: tuple[FinishReason, str, ParkRefused] | None = None
+        self._closing = threading.Lock()
+        self._in_hand: Submit | Park | Cancel | None = None  # the inbox message being handled
         self.num_steps = 0
 
     # ------------------------------------------------------------------ public, thread-safe
@@ -112,8 +122,9 @@ class Engine:
                     self.cancel(seq_id)  # free what was parked for it
                 sink(TokenEvent(seq_id, [], "", seq.output.finish_reason))
                 return
-        self._inbox.put(Submit(seq))
-        self._wake.set()
+        if not self._put(Submit(seq)):
+            reason, error, _ = self._closed
+            sink(TokenEvent(seq_id, [], "", reason, error=error))
 
     def park(self, seq_id: str, kv: torch.Tensor, prefix_hashes: list[bytes] = (),
              claim: Callable[[], bool] | None = None) -> "concurrent.futures.Future[ParkRefused | None]":
@@ -126,15 +137,28 @@ class Engine:
         `claim`, if given, is called on the engine thread as soon as the K/V is placed (keep it short):
         False means nobody wants it any more, and it is freed at once (ParkRefused "unclaimed"). A
         submit(parked=True) that claim makes joins the very step that follows the placing; submitted
-        from another thread after the future resolves, it would wait for the end of that step."""
+        from another thread after the future resolves, it would wait for the end of that step.
+
+        kv may be on any device: it is copied into the pool's. One that cannot be (a device the pool cannot
+        read from, a shape that does not fit) is refused alone ("unplaceable"), its blocks freed at once."""
+        if kv.dim() != 5:
+            raise ValueError(f"kv must be [layers, 2, tokens, kv_heads, head_dim], got shape {list(kv.shape)}")
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(Park(seq_id, kv, list(prefix_hashes), claim, done))
-        self._wake.set()
+        if not self._put(Park(seq_id, kv, list(prefix_hashes), claim, done)):
+            done.set_result(self._closed[2])
         return done
 
     def cancel(self, seq_id: str) -> None:
-        self._inbox.put(Cancel(seq_id))
+        self._put(Cancel(seq_id))  # once the thread has ended, there is nothing left to cancel
+
+    def _put(self, msg: Submit | Park | Cancel) -> bool:
+        """Hand msg to the engine thread; False once the thread has ended (nothing would ever answer it)."""
+        with self._closing:
+            if self._closed is not None:
+                return False
+            self._inbox.put(msg)
         self._wake.set()
+        return True
 
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -172,39 +196,81 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.step():
-                self._wake.wait(0.05)
-                self._wake.clear()
+        try:
+            while not self._stop.is_set():
+                if not self.step():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the thread must not leave work hanging
+            log.exception("the engine thread failed; ending its %d sequences and %d parked K/V, and taking no "
+                          "more work", len(self.scheduler.seqs), len(self.scheduler.parked))
+            self._fail(exc)
+            return
+        self._close(FinishReason.CANCELLED, "engine stopped",
+                    ParkRefused("stopped", "the engine stopped (the worker is shutting down)"))
+
+    def _fail(self, exc: BaseException) -> None:
+        """The thread cannot go on (a bug, a device error, running out of memory in a step no one request
+        can be blamed for): tell the listeners (the worker leaves service), then end every sequence with
+        the cause and answer everything handed in, now and later, so nothing waits for a thread that is gone."""
+        self.failure = exc
+        for listener in list(self.failure_listeners):
+            try:
+                listener(exc)
+            except Exception:  # noqa: BLE001 - the sequences must still be ended
+                log.exception("an engine failure listener failed")
+        error = f"the engine failed: {type(exc).__name__}: {exc}"
+        self._close(FinishReason.ERROR, error, ParkRefused("failed", f"K/V refused: {error}"))
+
+    def _close(self, reason: FinishReason, error: str, refusal: ParkRefused) -> None:
+        """The thread's last act: nothing is taken in from now on; every sequence ends with (reason, error),
+        parked K/V is freed, and what is left in the inbox is answered (parks with `refusal`)."""
+        with self._closing:
+            self._closed = (reason, error, refusal)
+        msg, self._in_hand = self._in_hand, None
+        try:
+            if isinstance(msg, Park) and not msg.done.done():
+                msg.done.set_result(refusal)
+            elif isinstance(msg, Submit) and msg.seq.seq_id not in self.scheduler.seqs:  # never added
+                self.runner.cache.pool.free(msg.seq.seq_id)  # the K/V parked for it, if add() took it
+                msg.seq.sink(TokenEvent(msg.seq.seq_id, [], "", reason, error=error))
+        except Exception:  # noqa: BLE001
+            log.exception("answering what the engine was handling when it failed failed")
         for seq in list(self.scheduler.seqs.values()):
-            self._finish(seq, FinishReason.CANCELLED, error="engine stopped")
+            try:
+                self._finish(seq, reason, error=error)
+            except Exception:  # noqa: BLE001 - its last event went out (_finish); end the others too
+                log.exception("freeing the blocks of %s failed", seq.seq_id)
         for seq_id in list(self.scheduler.parked):
-            self.scheduler.unpark(seq_id)
-        while True:  # what arrived after the last step must not wait forever
+            try:
+                self.scheduler.unpark(seq_id)
+            except Exception:  # noqa: BLE001
+                log.exception("freeing the K/V parked for %s failed", seq_id)
+        while True:  # handed in after the last step: answered, never left waiting
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(msg, Park):
-                msg.done.set_result(ParkRefused("stopped", "the engine stopped (the worker is shutting down)"))
-            elif isinstance(msg, Submit):
-                msg.seq.sink(TokenEvent(msg.seq.seq_id, [], "", FinishReason.CANCELLED, error="engine stopped"))
+            try:
+                if isinstance(msg, Park):
+                    msg.done.set_result(refusal)
+                elif isinstance(msg, Submit):
+                    msg.seq.sink(TokenEvent(msg.seq.seq_id, [], "", reason, error=error))
+            except Exception:  # noqa: BLE001 - a failing sink must not keep the others unanswered
+                log.exception("answering what was handed to the engine failed")
 
     def step(self) -> bool:
-        """One scheduling iteration; returns False when there was nothing to do."""
+        """One scheduling iteration; returns False when there was nothing to do. An exception here is the
+        engine's, not a request's (those are ended where they fail): run by the thread, it ends the thread
+        (_fail); run by a caller, it reaches the caller."""
         self._drain_inbox()
         did = False
-        try:
-            if self.scheduler.waiting or self.scheduler.prefilling:
-                admitted = self._admit()
-                did = self._prefill() or admitted
-            if self.scheduler.running:
-                self._decode_step()
-                did = True
-        except Exception as exc:  # a bug or OOM must end the affected requests, not hang them
-            log.exception("engine step failed")
-            for seq in list(self.scheduler.seqs.values()):
-                self._finish(seq, FinishReason.ERROR, error=f"engine step failed: {exc}")
+        if self.scheduler.waiting or self.scheduler.prefilling:
+            admitted = self._admit()
+            did = self._prefill() or admitted
+        if self.scheduler.running:
+            self._decode_step()
+            did = True
         self.num_steps += did
         if did:
             for listener in list(self.step_listeners):
@@ -217,6 +283,7 @@ class Engine:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            self._in_hand = msg  # out of the inbox, maybe not yet answered: _close answers it if this fails
             match msg:
                 case Submit(seq):
                     if (error := self.scheduler.add(seq)) is not None:
@@ -228,6 +295,7 @@ class Engine:
                         self._finish(self.scheduler.seqs[seq_id], FinishReason.CANCELLED)
                     elif seq_id in self.scheduler.parked:
                         self.scheduler.unpark(seq_id)
+            self._in_hand = None
 
     def _park(self, msg: Park) -> None:
         refused = self.scheduler.park_refusal(msg.seq_id, msg.prefix_hashes, msg.kv.shape[2])
@@ -235,7 +303,13 @@ class Engine:
             msg.done.set_result(refused)
             return
         start = self.scheduler.park(msg.seq_id, msg.prefix_hashes, msg.kv.shape[2])
-        self.runner.cache.import_seq(msg.seq_id, msg.kv, start)
+        try:
+            self.runner.cache.import_seq(msg.seq_id, msg.kv, start)
+        except Exception as exc:  # noqa: BLE001 - this K/V's fault (or this copy's): refuse it alone
+            self.scheduler.unpark(msg.seq_id)
+            msg.done.set_result(ParkRefused("unplaceable", f"the K/V of {msg.seq_id!r} cannot be placed in the KV "
+                                                           f"pool: {self._placement_error(msg.kv, exc)}"))
+            return
         # The claim's submit lands in self._inbox, which the drain running now empties next: the
         # sequence is admitted into this iteration's step.
         try:
@@ -260,8 +334,12 @@ class Engine:
             self._finish(seq, FinishReason.ERROR, error=error)
         for seq in admission.admitted:
             if seq.kv is not None:
-                self.runner.cache.import_seq(seq.seq_id, seq.kv)
-                seq.kv = None
+                kv, seq.kv = seq.kv, None
+                try:
+                    self.runner.cache.import_seq(seq.seq_id, kv)
+                except Exception as exc:  # noqa: BLE001 - this sequence's K/V: it fails alone
+                    self._finish(seq, FinishReason.ERROR,
+                                 error=f"its K/V cannot be placed in the KV pool: {self._placement_error(kv, exc)}")
             elif seq.kv_sink is not None and seq.num_cached:
                 seq.kv_sink(0, seq.num_cached, self.runner.cache.export_seq(seq.seq_id, seq.num_cached))
         return bool(admission.admitted)
@@ -373,10 +451,20 @@ class Engine:
                 token_ids: list[int] | None = None, error: str | None = None,
                 kv: torch.Tensor | None = None, logprobs: list[TokenLogprobs] | None = None,
                 block_hashes: list[bytes] | None = None, cached_tokens: int = 0) -> None:
-        """The one way out for a sequence: frees its blocks and sends its last event."""
-        self.scheduler.remove(seq)
+        """The one way out for a sequence: frees its blocks and sends its last event (even if freeing fails)."""
         try:
-            seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv, logprobs=logprobs,
-                                block_hashes=block_hashes, cached_tokens=cached_tokens))
-        except Exception:
-            log.exception("sink of %s failed", seq.seq_id)
+            self.scheduler.remove(seq)
+        finally:
+            try:
+                seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv, logprobs=logprobs,
+                                    block_hashes=block_hashes, cached_tokens=cached_tokens))
+            except Exception:
+                log.exception("sink of %s failed", seq.seq_id)
+
+    def _placement_error(self, kv: torch.Tensor, exc: Exception) -> str:
+        """Why K/V handed in could not be copied into the pool, for the refusal (and the log)."""
+        pool = self.runner.cache.kv
+        why = (f"{type(exc).__name__}: {exc} (K/V {list(kv.shape)} {kv.dtype} on {kv.device}; the pool is "
+               f"{pool.dtype} on {pool.device})")
+        log.warning("K/V handed to the engine refused: %s", why)
+        return why

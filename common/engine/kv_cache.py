@@ -196,15 +196,40 @@ class KVCache:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _slot_index(self, seq_id: str, start: int, end: int) -> torch.Tensor:
+        """The flat slots of positions start .. end-1 of a sequence, as an index on the pool's device."""
+        return torch.tensor(self.slots(self.pool.block_table(seq_id), start, end), dtype=torch.long,
+                            device=self.kv.device)
+
     def export_seq(self, seq_id: str, num_tokens: int, start: int = 0) -> torch.Tensor:
-        """A copy of one sequence's K/V of positions start .. num_tokens-1: [layers, 2, tokens, kv_heads, head_dim]."""
-        idx = torch.tensor(self.slots(self.pool.block_table(seq_id), start, num_tokens),
-                           dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(1, idx).transpose(1, 2).contiguous()
+        """A host copy of one sequence's K/V of positions start .. num_tokens-1: [layers, 2, tokens, kv_heads,
+        head_dim], on the CPU wherever the pool is. What a push sends: the thread that encodes it makes no
+        device call, and a copy the engine has synchronized cannot be overwritten by a later step."""
+        kv = self.kv.index_select(1, self._slot_index(seq_id, start, num_tokens)).transpose(1, 2)
+        return kv.contiguous() if kv.device.type == "cpu" else to_host(kv)
 
     def import_seq(self, seq_id: str, kv: torch.Tensor, start: int = 0) -> None:
-        """Write K/V of positions start .. start+tokens-1 of a sequence (already allocated) into its blocks."""
-        num_tokens = kv.shape[2]
-        idx = torch.tensor(self.slots(self.pool.block_table(seq_id), start, start + num_tokens),
-                           dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(1, idx, kv.to(self.kv.dtype).transpose(1, 2))
+        """Write K/V of positions start .. start+tokens-1 of a sequence (already allocated) into its blocks.
+        kv may be anywhere (the wire's host buffer, a caller's tensor): it is copied to the pool's device
+        and dtype first, so that a K/V that cannot go there fails here, before the pool is written."""
+        idx = self._slot_index(seq_id, start, start + kv.shape[2])
+        self.kv.index_copy_(1, idx, to_device(kv, self.kv.device, self.kv.dtype).transpose(1, 2))
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a device tensor, ready to read when this returns. From CUDA it lands in page-locked
+    memory (a direct DMA, no staging through a pageable bounce buffer), and only the copy's stream is waited
+    for, not the whole device."""
+    if t.device.type != "cuda":
+        return t.to("cpu")
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
+
+
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t on `device` in `dtype`, copied explicitly. A page-locked host tensor goes to CUDA asynchronously
+    (torch's pinned allocator keeps its block until the copy is done); a pageable one synchronously."""
+    non_blocking = device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()
+    return t.to(device=device, dtype=dtype, non_blocking=non_blocking)

@@ -242,9 +242,12 @@ class Llama(torch.nn.Module):
         head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
         head_fp32 = w32(head)  # read once: the refinement's exact copy and the int8 head's source
         self.lm_head_fp32 = None if dtype == torch.float32 else head_fp32
-        # Decode's LM head: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
-        # REFINE_TOP logits of every row are then recomputed exactly in fp32.
-        self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels, self.weight_arena)
+        # Decode's LM head on the CPU: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
+        # REFINE_TOP logits of every row are then recomputed exactly in fp32. Off the CPU decode uses the
+        # dtype's dense head in fixed row blocks (dense_rows) instead: torch's int8 weight-only kernel is
+        # not built for every device, and a GPU reads the 16-bit head fast enough.
+        self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels, self.weight_arena) \
+            if self.device.type == "cpu" else None
         del head_fp32
         release_freed_pages()
         self.final_norm = w32("model.norm.weight")
@@ -305,7 +308,9 @@ class Llama(torch.nn.Module):
 
     def decode_weight_bytes(self, use_int4: bool) -> int:
         """Bytes of weights one decode step reads (the embedding row gather aside)."""
-        return self.lm_head_int8.nbytes + self.decode_layer_weight_bytes(use_int4)
+        head = self.lm_head_int8.nbytes if self.lm_head_int8 is not None else \
+            self.lm_head.numel() * self.lm_head.element_size()
+        return head + self.decode_layer_weight_bytes(use_int4)
 
     def decode_layer_weight_bytes(self, use_int4: bool) -> int:
         """Bytes of the layers' matmul weights one decode step reads (the LM head aside)."""
@@ -520,7 +525,10 @@ class Llama(torch.nn.Module):
         row's largest, 0.1 on average for SmolLM2); the REFINE_TOP best are then exact fp32, so greedy
         decoding is exact and sampling differs only in the tail.
         """
-        logits = self.lm_head_int8(hidden).float()
+        if self.lm_head_int8 is None:  # off the CPU: the dense head, each row in a block of fixed size
+            logits = dense_rows(hidden.to(self.dtype), self.lm_head).float()
+        else:
+            logits = self.lm_head_int8(hidden).float()
         if self.kernels is not None and self.kernels.refines(self.config.hidden_size):  # logits.c, row by row
             return self._softcap(self.kernels.refine_top(logits.contiguous(), hidden.float().contiguous(),
                                                          self.lm_head_exact, self.REFINE_TOP))

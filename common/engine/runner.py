@@ -82,7 +82,13 @@ class ModelRunner:
         return cls(model, cache, int4_decode)
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        """An int64 index tensor of a step on the model's device. To CUDA through page-locked memory: a copy
+        from pageable memory waits for the stream to drain first, so each of a step's index tensors would
+        stall the host until the GPU finished the work queued before it."""
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
         """Run whole prompts (blocks already allocated); returns last-position logits [B, V] fp32.

@@ -17,8 +17,10 @@ from common.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class ParkRefused:
-    """Why park() did not place K/V: code is one of duplicate, evicted, too_big, no_room, stopped,
-    unclaimed (its claim said nobody wants it any more: freed at once)."""
+    """Why park() did not place K/V: code is one of duplicate, evicted, too_big, no_room, unclaimed (its
+    claim said nobody wants it any more: freed at once), unplaceable (it could not be copied into the pool:
+    another device, a shape that does not fit; freed at once), stopped (the engine is shutting down) or
+    failed (the engine thread failed)."""
 
     code: str
     message: str
@@ -113,13 +115,14 @@ class Scheduler:
         return None
 
     def remove(self, seq: Sequence) -> None:
-        """Free the sequence's blocks and forget it, wherever it is."""
-        self.pool.free(seq.seq_id)
+        """Forget the sequence, wherever it is, and free its blocks (forgotten first: a pool that fails to free
+        them does not leave it behind to be ended twice)."""
         self.seqs.pop(seq.seq_id, None)
         for queue_ in (self.running, self.prefilling, self.waiting):
             if seq in queue_:
                 queue_.remove(seq)
                 break
+        self.pool.free(seq.seq_id)
 
     def park_refusal(self, seq_id: str, prefix_hashes: list[bytes], num_new_tokens: int) -> ParkRefused | None:
         """Why park() cannot place K/V of num_new_tokens after the cached prefix_hashes now; None if it can."""

@@ -205,6 +205,37 @@ def test_a_failed_push_is_charged_to_the_decode_worker(cluster, fault, prompt):
     release_all(cluster)
 
 
+@pytest.mark.parametrize("prompt", ["short", "streamed"])
+def test_kv_the_pool_cannot_take_is_refused_at_once_and_charged_to_the_decode_worker(cluster, prompt, monkeypatch):
+    """The decode worker's engine cannot copy a push's K/V into its pool (here the K/V is made to be on another
+    device, "meta"; on a GPU: a device error, out of device memory, or, before the copy was explicit, any
+    host K/V into a CUDA pool). The push is refused at once with UNAVAILABLE, charged to the decode worker in
+    the Prefill call's trailers, its blocks freed, and the engine serves on. It used to kill the engine
+    thread: the push then timed out as INTERNAL, charged to the prefill worker."""
+    d = cluster.decode[0]
+    cache = d.engine.runner.cache
+    real_import = cache.import_seq
+    monkeypatch.setattr(cache, "import_seq", lambda seq_id, kv, start=0: real_import(seq_id, kv.to("meta"), start))
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        prefill(cluster, f"alien-{time.monotonic_ns()}", prompt=LONG if prompt == "streamed" else PROMPT)
+    refused_s = time.monotonic() - t0
+    monkeypatch.undo()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert grpc_common.blamed(err.value) == ("decode", d.config.worker_id, d.epoch)
+    assert "cannot be placed" in err.value.details() and "meta" in err.value.details()
+    assert refused_s < d.config.kv_wait_s / 2  # answered, not timed out
+    assert d.engine.failure is None and d.engine.num_parked == 0
+    assert d.engine.pool.num_free_blocks == d.engine.pool.num_blocks
+    release_all(cluster)
+    rid = f"after-alien-{time.monotonic_ns()}"
+    assert [e.WhichOneof("event") for e in prefill(cluster, rid)] == ["first_token", "transfer_done"]
+    wait_parked(d, 1)
+    d.inbox.cancel(f"{rid}#1")
+    wait_parked(d, 0)
+    release_all(cluster)
+
+
 def test_pushes_and_health_have_room_while_decode_streams_fill_the_pool(cluster):
     """Every block leased to a waiting Decode stream (the most the leases allow): the health check on
     the main port and a KV push on the KV port still go through, and the push is decoded."""
