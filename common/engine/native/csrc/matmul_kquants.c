@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) int kq_subs(int fmt) { return fmt =
 /* The bits of every byte of v at bit `from` moved to bit `to` (the bits around them left for a mask): a
  * 16-bit shift, which moves no bit in or out of its byte at the distances used here (4 at most). */
 static inline __attribute__((always_inline)) __m256i move_bits_avx2(__m256i v, int from, int to) {
-    return to >= from ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(to - from)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(from - to));
+    return to >= from ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
 }
 
 /* Q4_K, Q5_K: the 16 outputs' 6-bit scales (sc) and mins (mn) of sub-blocks 2i (128-bit lane 0) and 2i + 1
@@ -107,61 +107,102 @@ static inline __attribute__((always_inline)) __m256i kq_codes_avx2(int fmt, cons
                            _mm256_and_si256(move_bits_avx2(top, 2 * (sub & 3), 4), _mm256_set1_epi8(0x30)));
 }
 
-/* vpmaddubsw products a 16-bit sum takes before it is widened: 2 x 128 x the largest code stays below 2^15. */
-static inline __attribute__((always_inline)) int kq_widen_every(int fmt) {
-    return fmt == HN_Q4_K ? 8 : fmt == HN_Q5_K ? 4 : 2;
-}
-
-/* A block's fp32 steps for one row and half: acc = fma((float)S, D * sx, acc). */
+/* A block's fp32 step for one row and half: acc = fma((float)S, D * sx, acc). */
 static inline __attribute__((always_inline)) __m256 kq_scale_avx2(__m256i s, __m256 d, float sx, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx)), acc);
 }
 
-/* Rows r0 .. r0 + RT - 1 (RT <= 4) of group g, the K-quants. */
+/* A tile's rows of x: each row's digits, 16-bit integers, scales, sums of x and sums of xq, from block 0. */
+typedef struct {
+    const int8_t *xd[4];
+    const int16_t *xq[4];
+    const float *sx[4], *sumx[4];
+    const int32_t *xq_sums[4];
+} tile_rows_t;
+
+static inline __attribute__((always_inline)) tile_rows_t tile_rows(const job_t *j, int64_t r0, const int RT) {
+    const int64_t xblocks = j->w.in / GROUP;
+    tile_rows_t t;
+    for (int r = 0; r < RT; r++) {
+        t.xd[r] = j->xd + (r0 + r) * xblocks * XD_BLOCK;
+        t.xq[r] = j->xq ? j->xq + (r0 + r) * j->w.in : NULL;
+        t.sx[r] = j->sx + (r0 + r) * xblocks;
+        t.sumx[r] = j->sumx + (r0 + r) * xblocks;
+        t.xq_sums[r] = j->xq_sums ? j->xq_sums + (r0 + r) * 2 * xblocks : NULL;
+    }
+    return t;
+}
+
+/* The 16 outputs' D (d * sc: of the block, or of Q6_K's two sub-blocks) and -M (-(dmin * m), Q4_K and Q5_K)
+ * of block `sub` of a record, half h (8 outputs) of each; d and -dmin as the record's fp16 give them. */
+static inline __attribute__((always_inline)) void kq_block_scales_avx2(int fmt, const uint8_t *rec, int sub,
+                                                                       const __m256 d[2], const __m256 mind[2],
+                                                                       const __m256i scb[4], const __m256i mnb[4],
+                                                                       __m256 dd[2][2], __m256 mm[2]) {
+    for (int h = 0; h < 2; h++) {
+        if (fmt == HN_Q8_0) {
+            dd[0][h] = d[h];
+        } else if (fmt == HN_Q6_K) {
+            for (int i = 0; i < 2; i++) {
+                const __m128i sc = _mm_loadl_epi64((const __m128i *)(rec + Q6_K_SCALES + 16 * (2 * sub + i) + 8 * h));
+                dd[i][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d[h]);
+            }
+        } else {
+            const __m128i sc = sub_bytes(scb, sub), mn = sub_bytes(mnb, sub);
+            dd[0][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(sc, 8) : sc)), d[h]);
+            mm[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(mn, 8) : mn)), mind[h]);
+        }
+    }
+}
+
+/* A record's d (Q8_0, Q6_K: its only scale) and -dmin, and the K-quants' scale and min bytes. */
+static inline __attribute__((always_inline)) void kq_record_scales_avx2(int fmt, const uint8_t *rec, __m256 d[2],
+                                                                        __m256 mind[2], __m256i scb[4], __m256i mnb[4]) {
+    for (int h = 0; h < 2; h++) {
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + (fmt == HN_Q6_K ? Q6_K_D : 0) + 16 * h)));
+        mind[h] = d[h];
+        if (fmt == HN_Q4_K || fmt == HN_Q5_K) /* -dmin: the mins subtract */
+            mind[h] = _mm256_cvtph_ps(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(rec + K_DMIN + 16 * h)),
+                                                    _mm_set1_epi16((short)0x8000)));
+    }
+    if (fmt == HN_Q4_K || fmt == HN_Q5_K) kq_scale_bytes(rec + K_SCALES, scb, mnb);
+}
+
+/* vpmaddubsw products a 16-bit sum takes before vpmaddwd widens it: 2 x 128 x the largest code, 3,840 (Q4_K),
+ * 7,936 (Q5_K), 16,128 (Q6_K), times this many stays below 2^15. */
+static inline __attribute__((always_inline)) int kq_widen_every(int fmt) {
+    return fmt == HN_Q4_K ? 8 : fmt == HN_Q5_K ? 4 : 2;
+}
+
+/* Rows r0 .. r0 + RT - 1 (RT <= 4) of group g, the K-quants: the unsigned codes times the digits by
+ * vpmaddubsw, summed in 16 bits kq_widen_every products at a time, then in 32 (Q6_K's - 32 sum xq at the end of
+ * each sub-block). */
 static inline __attribute__((always_inline)) void kq_tile_avx2(const job_t *j, int64_t r0, int64_t g, const int fmt,
                                                                const int RT) {
-    const int64_t supers = j->w.in / QK_K, xblocks = j->w.in / GROUP, rec_bytes = kq_record(fmt);
-    const uint8_t *group = j->w.packed + g * supers * rec_bytes;
+    const int64_t supers = j->w.in / QK_K, rec_bytes = kq_record(fmt);
+    const uint8_t *rec = j->w.packed + g * supers * rec_bytes;
+    const tile_rows_t x = tile_rows(j, r0, RT);
     const __m256i ones = _mm256_set1_epi16(1);
     const int widen = kq_widen_every(fmt);
     __m256 acc[4][2], accm[4][2];
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = accm[r][0] = accm[r][1] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < supers; s++) {
-        const uint8_t *rec = group + s * rec_bytes;
+    for (int64_t s = 0; s < supers; s++, rec += rec_bytes) {
         for (int line = 0; line < rec_bytes; line += 64) DIGIT_PREFETCH(rec + line);
-        __m256 d[2], mind[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 d[2], mind[2];
         __m256i scb[4], mnb[4];
-        for (int h = 0; h < 2; h++) {
-            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + (fmt == HN_Q6_K ? Q6_K_D : 0) + 16 * h)));
-            if (fmt != HN_Q6_K) /* -dmin: the mins subtract */
-                mind[h] = _mm256_cvtph_ps(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(rec + K_DMIN + 16 * h)),
-                                                        _mm_set1_epi16((short)0x8000)));
-        }
-        if (fmt != HN_Q6_K) kq_scale_bytes(rec + K_SCALES, scb, mnb);
+        kq_record_scales_avx2(fmt, rec, d, mind, scb, mnb);
+#pragma GCC unroll 8
         for (int sub = 0; sub < BLOCK_SUBS; sub++) {
             const int64_t b = s * BLOCK_SUBS + sub;
-            /* this block's D (Q6_K: of its two sub-blocks) and -M, per half */
             __m256 dd[2][2], mm[2];
-            for (int h = 0; h < 2; h++) {
-                if (fmt == HN_Q6_K) {
-                    for (int i = 0; i < 2; i++) {
-                        const __m128i sc = _mm_loadl_epi64((const __m128i *)(rec + Q6_K_SCALES + 16 * (2 * sub + i) + 8 * h));
-                        dd[i][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d[h]);
-                    }
-                } else {
-                    const __m128i sc = sub_bytes(scb, sub), mn = sub_bytes(mnb, sub);
-                    dd[0][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(sc, 8) : sc)), d[h]);
-                    mm[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(mn, 8) : mn)),
-                                          mind[h]);
-                }
-            }
+            kq_block_scales_avx2(fmt, rec, sub, d, mind, scb, mnb, dd, mm);
             __m256i s32[4][2], hi[4][2], lo[4][2];
             for (int r = 0; r < RT; r++)
                 for (int h = 0; h < 2; h++) s32[r][h] = hi[r][h] = lo[r][h] = _mm256_setzero_si256();
             for (int k = 0; k < 8; k++) {
                 const __m256i w0 = kq_codes_avx2(fmt, rec, sub, k, 0), w1 = kq_codes_avx2(fmt, rec, sub, k, 1);
                 for (int r = 0; r < RT; r++) {
-                    const dword_t *xd = (const dword_t *)(j->xd + ((r0 + r) * xblocks + b) * XD_BLOCK);
+                    const dword_t *xd = (const dword_t *)(x.xd[r] + b * XD_BLOCK);
                     const __m256i xh = _mm256_set1_epi32(xd[k]), xl = _mm256_set1_epi32(xd[8 + k]);
                     hi[r][0] = _mm256_add_epi16(hi[r][0], _mm256_maddubs_epi16(w0, xh));
                     hi[r][1] = _mm256_add_epi16(hi[r][1], _mm256_maddubs_epi16(w1, xh));
@@ -171,45 +212,43 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const job_t *j, i
                 if ((k + 1) % widen) continue;
                 for (int r = 0; r < RT; r++)
                     for (int h = 0; h < 2; h++) {
-                        s32[r][h] = _mm256_add_epi32(s32[r][h], _mm256_add_epi32(
-                            _mm256_slli_epi32(_mm256_madd_epi16(hi[r][h], ones), 8), _mm256_madd_epi16(lo[r][h], ones)));
+                        const __m256i wide = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r][h], ones), 8),
+                                                              _mm256_madd_epi16(lo[r][h], ones));
+                        s32[r][h] = _mm256_add_epi32(s32[r][h], wide);
                         hi[r][h] = lo[r][h] = _mm256_setzero_si256();
                     }
                 if (fmt != HN_Q6_K || k % 4 != 3) continue;
-                /* Q6_K: sub-block 2 b + k / 4 done (inputs 16 (k / 4) .. + 15): its -32 sum xq, then its step */
+                /* Q6_K: sub-block 2 b + k / 4 (inputs 16 (k / 4) .. + 15 of the block) done: its - 32 sum xq */
                 for (int r = 0; r < RT; r++) {
-                    const int64_t at = (r0 + r) * xblocks + b;
-                    const __m256i bias = _mm256_set1_epi32(32 * j->xq_sums[2 * at + k / 4]);
+                    const __m256i bias = _mm256_set1_epi32(32 * x.xq_sums[r][2 * b + k / 4]);
                     for (int h = 0; h < 2; h++) {
-                        acc[r][h] = kq_scale_avx2(_mm256_sub_epi32(s32[r][h], bias), dd[k / 4][h], j->sx[at], acc[r][h]);
+                        acc[r][h] = kq_scale_avx2(_mm256_sub_epi32(s32[r][h], bias), dd[k / 4][h], x.sx[r][b], acc[r][h]);
                         s32[r][h] = _mm256_setzero_si256();
                     }
                 }
             }
             if (fmt == HN_Q6_K) continue;
-            for (int r = 0; r < RT; r++) {
-                const int64_t at = (r0 + r) * xblocks + b;
+            for (int r = 0; r < RT; r++)
                 for (int h = 0; h < 2; h++) {
-                    acc[r][h] = kq_scale_avx2(s32[r][h], dd[0][h], j->sx[at], acc[r][h]);
-                    accm[r][h] = _mm256_fmadd_ps(mm[h], _mm256_set1_ps(j->sumx[at]), accm[r][h]);
+                    acc[r][h] = kq_scale_avx2(s32[r][h], dd[0][h], x.sx[r][b], acc[r][h]);
+                    accm[r][h] = _mm256_fmadd_ps(mm[h], _mm256_set1_ps(x.sumx[r][b]), accm[r][h]);
                 }
-            }
         }
     }
     for (int r = 0; r < RT; r++)
         for (int h = 0; h < 2; h++) digit_store_avx2(j, r0 + r, g * DIGIT_OUTPUTS + 8 * h, acc[r][h], accm[r][h]);
 }
 
-/* Rows r0 .. r0 + RT - 1 of group g, Q8_0: its codes widened to 16 bits (vpmaddubsw would saturate on 8-bit
- * codes) times xq itself by vpmaddwd, lanes of 2 inputs (4 outputs x 2 pairs a register), the pairs added at
- * the end of the block. */
+/* Rows r0 .. r0 + RT - 1 of group g, Q8_0: the codes widened to 16 bits (a vpmaddubsw pair of 8-bit codes
+ * would saturate) times xq itself by vpmaddwd, a register's lanes pairs of inputs (4 outputs x 2 pairs), the
+ * pairs added when the block is done. */
 static inline __attribute__((always_inline)) void q8_0_tile_avx2(const job_t *j, int64_t r0, int64_t g, const int RT) {
-    const int64_t blocks = j->w.in / GROUP, in = j->w.in;
-    const uint8_t *group = j->w.packed + g * blocks * Q8_0_RECORD;
+    const int64_t blocks = j->w.in / GROUP;
+    const uint8_t *rec = j->w.packed + g * blocks * Q8_0_RECORD;
+    const tile_rows_t x = tile_rows(j, r0, RT);
     __m256 acc[4][2];
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *rec = group + b * Q8_0_RECORD;
+    for (int64_t b = 0; b < blocks; b++, rec += Q8_0_RECORD) {
         for (int line = 0; line < Q8_0_RECORD; line += 64) DIGIT_PREFETCH(rec + line);
         __m256i sum[4][2][2]; /* [row][half][outputs 0-3, 4-7 of the half]: lane 2n + p, pair p of output n */
         for (int r = 0; r < RT; r++)
@@ -223,22 +262,20 @@ static inline __attribute__((always_inline)) void q8_0_tile_avx2(const job_t *j,
             }
             for (int r = 0; r < RT; r++) {
                 int64_t four;
-                memcpy(&four, j->xq + (r0 + r) * in + b * GROUP + 4 * k, sizeof four);
-                const __m256i x = _mm256_set1_epi64x(four); /* inputs 4k .. 4k + 3: pairs 0, 1 alternating */
+                memcpy(&four, x.xq[r] + b * GROUP + 4 * k, sizeof four);
+                const __m256i xk = _mm256_set1_epi64x(four); /* inputs 4k .. 4k + 3: pairs 0, 1 alternating */
                 for (int h = 0; h < 2; h++)
-                    for (int q = 0; q < 2; q++) sum[r][h][q] = _mm256_add_epi32(sum[r][h][q], _mm256_madd_epi16(w[h][q], x));
+                    for (int q = 0; q < 2; q++) sum[r][h][q] = _mm256_add_epi32(sum[r][h][q], _mm256_madd_epi16(w[h][q], xk));
             }
         }
         __m256 d[2];
         for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 16 * h)));
-        for (int r = 0; r < RT; r++) {
-            const float sx = j->sx[(r0 + r) * blocks + b];
+        for (int r = 0; r < RT; r++)
             for (int h = 0; h < 2; h++) {
-                /* hadd: outputs 0, 1, 4, 5 | 2, 3, 6, 7; the permute puts them in order */
-                const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[r][h][0], sum[r][h][1]), 0xd8);
-                acc[r][h] = kq_scale_avx2(s, d[h], sx, acc[r][h]);
+                /* hadd: outputs 0, 1, 4, 5 | 2, 3, 6, 7 of the half; the permute puts them in order */
+                const __m256i s32 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[r][h][0], sum[r][h][1]), 0xd8);
+                acc[r][h] = kq_scale_avx2(s32, d[h], x.sx[r][b], acc[r][h]);
             }
-        }
     }
     for (int r = 0; r < RT; r++)
         for (int h = 0; h < 2; h++)
@@ -251,7 +288,7 @@ static inline __attribute__((always_inline)) void q8_0_tile_avx2(const job_t *j,
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
 
 static inline __attribute__((always_inline)) __m512i move_bits_512(__m512i v, int from, int to) {
-    return to >= from ? _mm512_sll_epi16(v, _mm_cvtsi32_si128(to - from)) : _mm512_srl_epi16(v, _mm_cvtsi32_si128(from - to));
+    return to >= from ? _mm512_slli_epi16(v, (unsigned)(to - from)) : _mm512_srli_epi16(v, (unsigned)(from - to));
 }
 
 /* Block `sub`'s 8 code registers (w[k] dword n: output n's codes of inputs 4k .. 4k + 3, unsigned): as
@@ -278,14 +315,21 @@ static inline __attribute__((always_inline)) void kq_codes_512(int fmt, const ui
     }
 }
 
+/* acc + the products of w's bytes with the 4 signed bytes at x, in every dword: vpdpbusd with x broadcast from
+ * memory within the instruction (GCC does not fold the broadcast itself). */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcst(__m512i acc, __m512i w, const dword_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
 /* One row's exact sum over w[k0 .. k0 + n - 1] (n = 8: a block; 4: a Q6_K sub-block), two chains a digit. */
 static inline __attribute__((always_inline)) __m512i digit_sum_512(const __m512i *w, const dword_t *xd, int k0, int n) {
     __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
     for (int k = k0; k < k0 + n; k += 2) {
-        h0 = _mm512_dpbusd_epi32(h0, w[k], _mm512_set1_epi32(xd[k]));
-        h1 = _mm512_dpbusd_epi32(h1, w[k + 1], _mm512_set1_epi32(xd[k + 1]));
-        l0 = _mm512_dpbusd_epi32(l0, w[k], _mm512_set1_epi32(xd[8 + k]));
-        l1 = _mm512_dpbusd_epi32(l1, w[k + 1], _mm512_set1_epi32(xd[9 + k]));
+        h0 = dpbusd_bcst(h0, w[k], xd + k);
+        h1 = dpbusd_bcst(h1, w[k + 1], xd + k + 1);
+        l0 = dpbusd_bcst(l0, w[k], xd + 8 + k);
+        l1 = dpbusd_bcst(l1, w[k + 1], xd + 9 + k);
     }
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
 }
@@ -298,12 +342,12 @@ static inline __attribute__((always_inline)) __m512 kq_scale_512(__m512i s, __m5
 static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, int64_t r0, int64_t g, const int fmt,
                                                                const int RT) {
     const int subs = kq_subs(fmt);
-    const int64_t records = j->w.in / (GROUP * subs), xblocks = j->w.in / GROUP, rec_bytes = kq_record(fmt);
-    const uint8_t *group = j->w.packed + g * records * rec_bytes;
+    const int64_t records = j->w.in / (GROUP * subs), rec_bytes = kq_record(fmt);
+    const uint8_t *rec = j->w.packed + g * records * rec_bytes;
+    const tile_rows_t x = tile_rows(j, r0, RT);
     __m512 acc[4], accm[4];
     for (int r = 0; r < RT; r++) acc[r] = accm[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < records; s++) {
-        const uint8_t *rec = group + s * rec_bytes;
+    for (int64_t s = 0; s < records; s++, rec += rec_bytes) {
         for (int line = 0; line < rec_bytes; line += 64) DIGIT_PREFETCH(rec + line);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (fmt == HN_Q6_K ? Q6_K_D : 0))));
         __m512 mind = d;
@@ -313,6 +357,7 @@ static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, i
                                                     _mm256_set1_epi16((short)0x8000)));
             kq_scale_bytes(rec + K_SCALES, scb, mnb);
         }
+#pragma GCC unroll 8
         for (int sub = 0; sub < subs; sub++) {
             const int64_t b = s * subs + sub;
             __m512i w[8];
@@ -327,20 +372,19 @@ static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, i
                 mm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub_bytes(mnb, sub))), mind);
             }
             for (int r = 0; r < RT; r++) {
-                const int64_t at = (r0 + r) * xblocks + b;
-                const dword_t *xd = (const dword_t *)(j->xd + at * XD_BLOCK);
-                const float sx = j->sx[at];
+                const dword_t *xd = (const dword_t *)(x.xd[r] + b * XD_BLOCK);
+                const float sx = x.sx[r][b];
                 if (fmt == HN_Q6_K) {
                     for (int i = 0; i < 2; i++) {
-                        const __m512i bias = _mm512_set1_epi32(32 * j->xq_sums[2 * at + i]);
+                        const __m512i bias = _mm512_set1_epi32(32 * x.xq_sums[r][2 * b + i]);
                         acc[r] = kq_scale_512(_mm512_sub_epi32(digit_sum_512(w, xd, 4 * i, 4), bias), dd[i], sx, acc[r]);
                     }
                 } else if (fmt == HN_Q8_0) {
-                    const __m512i bias = _mm512_set1_epi32(128 * (j->xq_sums[2 * at] + j->xq_sums[2 * at + 1]));
+                    const __m512i bias = _mm512_set1_epi32(128 * (x.xq_sums[r][2 * b] + x.xq_sums[r][2 * b + 1]));
                     acc[r] = kq_scale_512(_mm512_sub_epi32(digit_sum_512(w, xd, 0, 8), bias), d, sx, acc[r]);
                 } else {
                     acc[r] = kq_scale_512(digit_sum_512(w, xd, 0, 8), dd[0], sx, acc[r]);
-                    accm[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(j->sumx[at]), accm[r]);
+                    accm[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(x.sumx[r][b]), accm[r]);
                 }
             }
         }
@@ -393,8 +437,10 @@ int kq_matmul(int64_t format, int64_t unit, const void *x, int x_bf16, int64_t x
     const int vnni = unit != Q4_KERNEL_AVX2; /* AMX hosts run the VNNI unit: the same bits */
     if (vnni && !cpu_has_vnni()) return -ENOSYS;
     if (!rows) return 0;
-    /* the digits and their sums (the VNNI unit's u - 128, Q6_K's u - 32), or Q8_0's 16-bit xq on AVX2 */
-    const int want = format == HN_Q8_0 ? (vnni ? DIGITS_XQ_SUMS : DIGITS_KEEP_XQ) : format == HN_Q6_K ? DIGITS_XQ_SUMS : 0;
+    /* the digits, with the sums of xq where a code's offset subtracts them (Q6_K's - 32, Q8_0's - 128 on the
+     * VNNI unit); Q8_0 on the AVX2 unit: xq itself */
+    const int want = format == HN_Q8_0 ? (vnni ? DIGITS_XQ_SUMS : DIGITS_KEEP_XQ)
+                                       : format == HN_Q6_K ? DIGITS_XQ_SUMS : 0;
     digits_t dg;
     const int err0 = digits_prepare(x, x_bf16, x_stride, rows, rows, in, threads, want, &dg);
     if (err0) return err0;
