@@ -51,6 +51,11 @@
 #define HN_Q4_K 2 /* (_AMX runs the VNNI unit: the same bits) */
 #define HN_Q5_K 3
 #define HN_Q6_K 4
+/* Row segments of other weights, one after the other, each of its own format: a fused matrix whose parts the
+ * file stores in different formats (a Q4_K_M file's attn_q and attn_k in Q4_K, attn_v in Q6_K). `packed`
+ * points to an array of `unit` hn_weight_t (none of them parts), each of `in` inputs, their outputs adding up
+ * to `out`. */
+#define HN_PARTS 5
 
 /* ---- The Q4 kernels, numbered for decode_layers' q4_kernel (native/choice.py's Q4_INDEX) */
 

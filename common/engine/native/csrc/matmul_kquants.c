@@ -53,6 +53,14 @@ static inline __attribute__((always_inline)) int64_t kq_record(int fmt) {
 /* Blocks of 32 inputs a record: 1 for Q8_0, a super-block's 8 for the K-quants. */
 static inline __attribute__((always_inline)) int kq_subs(int fmt) { return fmt == HN_Q8_0 ? 1 : BLOCK_SUBS; }
 
+/* A record's blocks as runs of this many, block sub = run * per + at: those that share their code chunks and
+ * differ only in which bits of them they take (Q4_K, Q5_K: the low or the high nibbles; Q6_K: a half's 4
+ * blocks, the low or high nibbles of its two chunk rows and a different pair of top bits each). The kernels
+ * compile a run's blocks apart (`at` a constant: every shift an immediate) and loop over the runs. */
+static inline __attribute__((always_inline)) int kq_run(int fmt) {
+    return fmt == HN_Q8_0 ? 1 : fmt == HN_Q6_K ? 4 : 2;
+}
+
 /* The bits of every byte of v at bit `from` moved to bit `to` (the bits around them left for a mask): a
  * 16-bit shift, which moves no bit in or out of its byte at the distances used here (4 at most). */
 static inline __attribute__((always_inline)) __m256i move_bits_avx2(__m256i v, int from, int to) {
@@ -84,27 +92,29 @@ static inline __attribute__((always_inline)) __m128i sub_bytes(const __m256i v[4
 
 /* ------------------------------------------------------------------------------------- the AVX2 unit */
 
-/* Half h (outputs 8h .. 8h + 7) of block `sub`'s code register k (inputs 4k .. 4k + 3): 8 dwords of 4
- * unsigned codes. */
-static inline __attribute__((always_inline)) __m256i kq_codes_avx2(int fmt, const uint8_t *rec, int sub, int k, int h) {
+/* Half h (outputs 8h .. 8h + 7) of code register k (inputs 4k .. 4k + 3) of block run * kq_run + at: 8 dwords
+ * of 4 unsigned codes. Q5_K's fifth bits of pair `run` come shifted right by 2 run (`down`, its count). */
+static inline __attribute__((always_inline)) __m256i kq_codes_avx2(int fmt, const uint8_t *rec, int run, int at, int k,
+                                                                   int h, __m128i down) {
     const __m256i low = _mm256_set1_epi8(0x0f);
-    const int at = CHUNK * k + 32 * h;
+    const int chunk = CHUNK * k + 32 * h;
     if (fmt == HN_Q4_K || fmt == HN_Q5_K) {
-        /* sub-blocks 2c and 2c + 1 share chunks 8c .. 8c + 7: the low nibbles, then the high ones */
+        /* blocks 2 run and 2 run + 1 share chunks 8 run .. 8 run + 7: the low nibbles, then the high ones */
         const __m256i c = _mm256_loadu_si256((const __m256i *)(rec + (fmt == HN_Q4_K ? Q4_K_CODES : Q5_K_CODES) +
-                                                                512 * (sub >> 1) + at));
-        const __m256i w = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(c, 4) : c, low);
+                                                                512 * run + chunk));
+        const __m256i w = _mm256_and_si256(at ? _mm256_srli_epi16(c, 4) : c, low);
         if (fmt == HN_Q4_K) return w;
-        const __m256i high = _mm256_loadu_si256((const __m256i *)(rec + Q5_K_HIGH + at)); /* bit sub: the fifth */
-        return _mm256_or_si256(w, _mm256_and_si256(move_bits_avx2(high, sub, 4), _mm256_set1_epi8(0x10)));
+        /* bit 2 run + at of the fifth bits: at bit `at` once shifted down by 2 run, then to bit 4 */
+        const __m256i high = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(rec + Q5_K_HIGH + chunk)), down);
+        return _mm256_or_si256(w, _mm256_and_si256(move_bits_avx2(high, at, 4), _mm256_set1_epi8(0x10)));
     }
-    /* Q6_K: block sub = 4 half + 2 nib + x: chunks 16 half + 8x + k, the low or the high nibbles (nib), and
-     * the top two bits at 2 (sub % 4) of chunk 8 half + k */
-    const int half = sub >> 2, nib = (sub >> 1) & 1, x = sub & 1;
-    const __m256i c = _mm256_loadu_si256((const __m256i *)(rec + 1024 * half + 512 * x + at));
-    const __m256i top = _mm256_loadu_si256((const __m256i *)(rec + Q6_K_HIGH + 512 * half + at));
+    /* Q6_K: half `run`, its block at = 2 nib + x: chunks 16 run + 8x + k, the low or the high nibbles (nib), and
+     * the top two bits at 2 at of chunk 8 run + k */
+    const int nib = at >> 1, x = at & 1;
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(rec + 1024 * run + 512 * x + chunk));
+    const __m256i top = _mm256_loadu_si256((const __m256i *)(rec + Q6_K_HIGH + 512 * run + chunk));
     return _mm256_or_si256(_mm256_and_si256(nib ? _mm256_srli_epi16(c, 4) : c, low),
-                           _mm256_and_si256(move_bits_avx2(top, 2 * (sub & 3), 4), _mm256_set1_epi8(0x30)));
+                           _mm256_and_si256(move_bits_avx2(top, 2 * at, 4), _mm256_set1_epi8(0x30)));
 }
 
 /* A block's fp32 step for one row and half: acc = fma((float)S, D * sx, acc). */
@@ -174,16 +184,68 @@ static inline __attribute__((always_inline)) int kq_widen_every(int fmt) {
     return fmt == HN_Q4_K ? 8 : fmt == HN_Q5_K ? 4 : 2;
 }
 
-/* Rows r0 .. r0 + RT - 1 (RT <= 4) of group g, the K-quants: the unsigned codes times the digits by
- * vpmaddubsw, summed in 16 bits kq_widen_every products at a time, then in 32 (Q6_K's - 32 sum xq at the end of
- * each sub-block). */
+/* Block sub = run * kq_run + at of record `rec` (the b-th block of the rows) for rows r0 .. r0 + RT - 1 (RT <= 4)
+ * of a group, the K-quants: the unsigned codes times the digits by vpmaddubsw, summed in 16 bits
+ * kq_widen_every products at a time, then in 32 (Q6_K's - 32 sum xq at the end of each sub-block). */
+static inline __attribute__((always_inline)) void kq_block_avx2(const uint8_t *rec, int run, int at, int64_t b,
+                                                                const tile_rows_t *x, const __m256 d[2],
+                                                                const __m256 mind[2], const __m256i scb[4],
+                                                                const __m256i mnb[4], __m256 acc[4][2], __m256 accm[4][2],
+                                                                const int fmt, const int RT) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m128i down = _mm_cvtsi32_si128(2 * run);
+    const int widen = kq_widen_every(fmt), sub = run * kq_run(fmt) + at;
+    __m256 dd[2][2], mm[2];
+    kq_block_scales_avx2(fmt, rec, sub, d, mind, scb, mnb, dd, mm);
+    __m256i s32[4][2], hi[4][2], lo[4][2];
+    for (int r = 0; r < RT; r++)
+        for (int h = 0; h < 2; h++) s32[r][h] = hi[r][h] = lo[r][h] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        const __m256i w0 = kq_codes_avx2(fmt, rec, run, at, k, 0, down);
+        const __m256i w1 = kq_codes_avx2(fmt, rec, run, at, k, 1, down);
+        for (int r = 0; r < RT; r++) {
+            const dword_t *xd = (const dword_t *)(x->xd[r] + b * XD_BLOCK);
+            const __m256i xh = _mm256_set1_epi32(xd[k]), xl = _mm256_set1_epi32(xd[8 + k]);
+            hi[r][0] = _mm256_add_epi16(hi[r][0], _mm256_maddubs_epi16(w0, xh));
+            hi[r][1] = _mm256_add_epi16(hi[r][1], _mm256_maddubs_epi16(w1, xh));
+            lo[r][0] = _mm256_add_epi16(lo[r][0], _mm256_maddubs_epi16(w0, xl));
+            lo[r][1] = _mm256_add_epi16(lo[r][1], _mm256_maddubs_epi16(w1, xl));
+        }
+        if ((k + 1) % widen) continue;
+        for (int r = 0; r < RT; r++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i wide = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r][h], ones), 8),
+                                                      _mm256_madd_epi16(lo[r][h], ones));
+                s32[r][h] = _mm256_add_epi32(s32[r][h], wide);
+                hi[r][h] = lo[r][h] = _mm256_setzero_si256();
+            }
+        if (fmt != HN_Q6_K || k % 4 != 3) continue;
+        /* Q6_K: sub-block 2 b + k / 4 (inputs 16 (k / 4) .. + 15 of the block) done: its - 32 sum xq */
+        for (int r = 0; r < RT; r++) {
+            const __m256i bias = _mm256_set1_epi32(32 * x->xq_sums[r][2 * b + k / 4]);
+            for (int h = 0; h < 2; h++) {
+                acc[r][h] = kq_scale_avx2(_mm256_sub_epi32(s32[r][h], bias), dd[k / 4][h], x->sx[r][b], acc[r][h]);
+                s32[r][h] = _mm256_setzero_si256();
+            }
+        }
+    }
+    if (fmt == HN_Q6_K) return;
+    for (int r = 0; r < RT; r++)
+        for (int h = 0; h < 2; h++) {
+            acc[r][h] = kq_scale_avx2(s32[r][h], dd[0][h], x->sx[r][b], acc[r][h]);
+            accm[r][h] = _mm256_fmadd_ps(mm[h], _mm256_set1_ps(x->sumx[r][b]), accm[r][h]);
+        }
+}
+
+/* Rows r0 .. r0 + RT - 1 (RT <= 4) of group g, the K-quants: a record's blocks in runs (kq_run), a run's blocks
+ * compiled apart; Q5_K's runs too (its fifth bits' shifts then immediates: a variable one cost a one-row matmul
+ * an eighth more). */
 static inline __attribute__((always_inline)) void kq_tile_avx2(const job_t *j, int64_t r0, int64_t g, const int fmt,
                                                                const int RT) {
     const int64_t supers = j->w.in / QK_K, rec_bytes = kq_record(fmt);
     const uint8_t *rec = j->w.packed + g * supers * rec_bytes;
     const tile_rows_t x = tile_rows(j, r0, RT);
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int widen = kq_widen_every(fmt);
+    const int runs = BLOCK_SUBS / kq_run(fmt);
     __m256 acc[4][2], accm[4][2];
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = accm[r][0] = accm[r][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; s++, rec += rec_bytes) {
@@ -191,48 +253,19 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const job_t *j, i
         __m256 d[2], mind[2];
         __m256i scb[4], mnb[4];
         kq_record_scales_avx2(fmt, rec, d, mind, scb, mnb);
-#pragma GCC unroll 8
-        for (int sub = 0; sub < BLOCK_SUBS; sub++) {
-            const int64_t b = s * BLOCK_SUBS + sub;
-            __m256 dd[2][2], mm[2];
-            kq_block_scales_avx2(fmt, rec, sub, d, mind, scb, mnb, dd, mm);
-            __m256i s32[4][2], hi[4][2], lo[4][2];
-            for (int r = 0; r < RT; r++)
-                for (int h = 0; h < 2; h++) s32[r][h] = hi[r][h] = lo[r][h] = _mm256_setzero_si256();
-            for (int k = 0; k < 8; k++) {
-                const __m256i w0 = kq_codes_avx2(fmt, rec, sub, k, 0), w1 = kq_codes_avx2(fmt, rec, sub, k, 1);
-                for (int r = 0; r < RT; r++) {
-                    const dword_t *xd = (const dword_t *)(x.xd[r] + b * XD_BLOCK);
-                    const __m256i xh = _mm256_set1_epi32(xd[k]), xl = _mm256_set1_epi32(xd[8 + k]);
-                    hi[r][0] = _mm256_add_epi16(hi[r][0], _mm256_maddubs_epi16(w0, xh));
-                    hi[r][1] = _mm256_add_epi16(hi[r][1], _mm256_maddubs_epi16(w1, xh));
-                    lo[r][0] = _mm256_add_epi16(lo[r][0], _mm256_maddubs_epi16(w0, xl));
-                    lo[r][1] = _mm256_add_epi16(lo[r][1], _mm256_maddubs_epi16(w1, xl));
-                }
-                if ((k + 1) % widen) continue;
-                for (int r = 0; r < RT; r++)
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i wide = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[r][h], ones), 8),
-                                                              _mm256_madd_epi16(lo[r][h], ones));
-                        s32[r][h] = _mm256_add_epi32(s32[r][h], wide);
-                        hi[r][h] = lo[r][h] = _mm256_setzero_si256();
-                    }
-                if (fmt != HN_Q6_K || k % 4 != 3) continue;
-                /* Q6_K: sub-block 2 b + k / 4 (inputs 16 (k / 4) .. + 15 of the block) done: its - 32 sum xq */
-                for (int r = 0; r < RT; r++) {
-                    const __m256i bias = _mm256_set1_epi32(32 * x.xq_sums[r][2 * b + k / 4]);
-                    for (int h = 0; h < 2; h++) {
-                        acc[r][h] = kq_scale_avx2(_mm256_sub_epi32(s32[r][h], bias), dd[k / 4][h], x.sx[r][b], acc[r][h]);
-                        s32[r][h] = _mm256_setzero_si256();
-                    }
-                }
-            }
-            if (fmt == HN_Q6_K) continue;
-            for (int r = 0; r < RT; r++)
-                for (int h = 0; h < 2; h++) {
-                    acc[r][h] = kq_scale_avx2(s32[r][h], dd[0][h], x.sx[r][b], acc[r][h]);
-                    accm[r][h] = _mm256_fmadd_ps(mm[h], _mm256_set1_ps(x.sumx[r][b]), accm[r][h]);
-                }
+        if (fmt == HN_Q5_K) {
+#pragma GCC unroll 4
+            for (int run = 0; run < runs; run++)
+#pragma GCC unroll 4
+                for (int at = 0; at < kq_run(fmt); at++)
+                    kq_block_avx2(rec, run, at, s * BLOCK_SUBS + run * kq_run(fmt) + at, &x, d, mind, scb, mnb, acc,
+                                  accm, fmt, RT);
+        } else {
+            for (int run = 0; run < runs; run++)
+#pragma GCC unroll 4
+                for (int at = 0; at < kq_run(fmt); at++)
+                    kq_block_avx2(rec, run, at, s * BLOCK_SUBS + run * kq_run(fmt) + at, &x, d, mind, scb, mnb, acc,
+                                  accm, fmt, RT);
         }
     }
     for (int r = 0; r < RT; r++)
@@ -291,26 +324,28 @@ static inline __attribute__((always_inline)) __m512i move_bits_512(__m512i v, in
     return to >= from ? _mm512_slli_epi16(v, (unsigned)(to - from)) : _mm512_srli_epi16(v, (unsigned)(from - to));
 }
 
-/* Block `sub`'s 8 code registers (w[k] dword n: output n's codes of inputs 4k .. 4k + 3, unsigned): as
- * kq_codes_avx2, 16 outputs at once; Q8_0's as u = q + 128. */
-static inline __attribute__((always_inline)) void kq_codes_512(int fmt, const uint8_t *rec, int sub, __m512i w[8]) {
+/* The 8 code registers of block `sub` = run * kq_run + at (w[k] dword n: output n's codes of inputs 4k .. 4k + 3,
+ * unsigned): kq_codes_avx2's, 16 outputs at once; Q8_0's as u = q + 128. (The VNNI tile unrolls all 8 blocks of
+ * a record, so every shift is an immediate.) */
+static inline __attribute__((always_inline)) void kq_codes_512(int fmt, const uint8_t *rec, int run, int at,
+                                                               __m512i w[8]) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int k = 0; k < 8; k++) {
-        const int at = CHUNK * k;
+        const int chunk = CHUNK * k;
         if (fmt == HN_Q8_0) {
-            w[k] = _mm512_xor_si512(_mm512_loadu_si512(rec + Q8_0_CODES + at), _mm512_set1_epi8((char)0x80));
+            w[k] = _mm512_xor_si512(_mm512_loadu_si512(rec + Q8_0_CODES + chunk), _mm512_set1_epi8((char)0x80));
         } else if (fmt == HN_Q4_K || fmt == HN_Q5_K) {
-            const __m512i c = _mm512_loadu_si512(rec + (fmt == HN_Q4_K ? Q4_K_CODES : Q5_K_CODES) + 512 * (sub >> 1) + at);
-            w[k] = _mm512_and_si512(sub & 1 ? _mm512_srli_epi16(c, 4) : c, low);
-            if (fmt == HN_Q5_K)
-                w[k] = _mm512_or_si512(w[k], _mm512_and_si512(move_bits_512(_mm512_loadu_si512(rec + Q5_K_HIGH + at), sub, 4),
-                                                              _mm512_set1_epi8(0x10)));
+            const __m512i c = _mm512_loadu_si512(rec + (fmt == HN_Q4_K ? Q4_K_CODES : Q5_K_CODES) + 512 * run + chunk);
+            w[k] = _mm512_and_si512(at ? _mm512_srli_epi16(c, 4) : c, low);
+            if (fmt == HN_Q5_K) /* bit 2 run + at of the fifth bits */
+                w[k] = _mm512_or_si512(w[k], _mm512_and_si512(move_bits_512(_mm512_loadu_si512(rec + Q5_K_HIGH + chunk),
+                                                                            2 * run + at, 4), _mm512_set1_epi8(0x10)));
         } else {
-            const int half = sub >> 2, nib = (sub >> 1) & 1, x = sub & 1;
-            const __m512i c = _mm512_loadu_si512(rec + 1024 * half + 512 * x + at);
-            const __m512i top = _mm512_loadu_si512(rec + Q6_K_HIGH + 512 * half + at);
+            const int nib = at >> 1, x = at & 1;
+            const __m512i c = _mm512_loadu_si512(rec + 1024 * run + 512 * x + chunk);
+            const __m512i top = _mm512_loadu_si512(rec + Q6_K_HIGH + 512 * run + chunk);
             w[k] = _mm512_or_si512(_mm512_and_si512(nib ? _mm512_srli_epi16(c, 4) : c, low),
-                                   _mm512_and_si512(move_bits_512(top, 2 * (sub & 3), 4), _mm512_set1_epi8(0x30)));
+                                   _mm512_and_si512(move_bits_512(top, 2 * at, 4), _mm512_set1_epi8(0x30)));
         }
     }
 }
@@ -358,10 +393,13 @@ static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, i
             kq_scale_bytes(rec + K_SCALES, scb, mnb);
         }
 #pragma GCC unroll 8
-        for (int sub = 0; sub < subs; sub++) {
+        for (int run = 0; run < subs / kq_run(fmt); run++) {
+#pragma GCC unroll 4
+          for (int at = 0; at < kq_run(fmt); at++) {
+            const int sub = run * kq_run(fmt) + at;
             const int64_t b = s * subs + sub;
             __m512i w[8];
-            kq_codes_512(fmt, rec, sub, w);
+            kq_codes_512(fmt, rec, run, at, w);
             __m512 dd[2] = {d, d}, mm = d;
             if (fmt == HN_Q6_K) {
                 for (int i = 0; i < 2; i++)
@@ -387,12 +425,13 @@ static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, i
                     accm[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(x.sumx[r][b]), accm[r]);
                 }
             }
+          }
         }
     }
     for (int r = 0; r < RT; r++) digit_store(j, r0 + r, g * DIGIT_QUADS, acc[r], accm[r]);
 }
 
-/* One unit's groups g_begin .. g_end - 1 of one format (one thread's part), rows in tiles of 4, then 3, 2, 1. */
+/* One unit's groups g_begin .. g_end - 1 of one format (one thread's part), rows in tiles of 4, then 3, 2 or 1. */
 #define DEFINE_KQ_GROUPS(NAME, TILE, ...)                                                             \
 static int NAME(const job_t *j, int64_t g_begin, int64_t g_end) {                                    \
     for (int64_t g = g_begin; g < g_end; g++) {                                                      \
