@@ -139,7 +139,7 @@ def test_a_row_is_the_same_bits_alone_or_in_any_batch_on_any_unit_and_threads(qt
     k = quant_kernels()
     cols = 512 if qtype != "Q8_0" else 96
     packed = pack_quant(random_rows(qtype, 200, cols, seed=3))
-    x = activations(40, cols, seed=4, dtype=torch.bfloat16)
+    x = activations(40, cols, seed=4)  # fp32 out: every bit of the sums shows (bf16 would round most away)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -205,7 +205,7 @@ def test_hn_matmul_runs_every_format_by_the_kernel_its_descriptor_names():
     matrix of parts in different formats (HN_PARTS) gives each part's columns; what no kernel takes is
     refused."""
     k = quant_kernels()
-    x = activations(5, 512, seed=8, dtype=torch.bfloat16)
+    x = activations(5, 512, seed=8)
     for qtype in QTYPES:
         packed = pack_quant(random_rows(qtype, 40, 512, seed=9))
         for unit in units(k):
@@ -235,12 +235,13 @@ def test_a_fused_matrix_of_parts_in_different_formats_is_each_parts_product():
     wqkv = QuantLinear.create([q, kk, v], k, unit, WeightArena(huge=False))
     assert [(qtype, out) for qtype, _, out in wqkv.segments] == [("Q4_K", 80), ("Q6_K", 16)]
     assert wqkv.out_features == 96 and wqkv.nbytes == 80 * q.data.shape[1] + 16 * v.data.shape[1]
-    x = activations(6, 512, seed=14, dtype=torch.bfloat16)
-    y = wqkv(x)
-    parts = [k.quant_matmul(x, pack_quant(r), r.qtype, r.rows, unit) for r in (q, kk, v)]
-    assert torch.equal(y, torch.cat(parts, dim=1))
-    assert torch.equal(k.hn_matmul(x, HnWeight.of(wqkv.descriptor())), y)
-    assert torch.equal(torch.cat([wqkv(x[i:i + 1]) for i in range(6)]), y)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(6, 512, seed=14, dtype=dtype)
+        y = wqkv(x)
+        parts = [k.quant_matmul(x, pack_quant(r), r.qtype, r.rows, unit) for r in (q, kk, v)]
+        assert torch.equal(y, torch.cat(parts, dim=1)), dtype
+        assert torch.equal(k.hn_matmul(x, HnWeight.of(wqkv.descriptor())), y), dtype
+        assert torch.equal(torch.cat([wqkv(x[i:i + 1]) for i in range(6)]), y), dtype
     with pytest.raises(ValueError, match="several formats"):
         wqkv.rows(torch.tensor([0]))
 
