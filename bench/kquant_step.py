@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = {qtype: step_weights(args.model, qtype, rng) for qtype in args.formats}
     nbytes = {qtype: sum(p.numel() for p, _, _ in ws) for qtype, ws in weights.items()}
     read = ReadBandwidth(max(nbytes.values()))
-    print(f"{args.model}, {args.unit} unit, {torch.get_num_threads()} threads; weights a step (MB): "
-          + ", ".join(f"{q} {b / 1e6:.0f}" for q, b in nbytes.items()) + f"; plain read of {read.num_bytes / 1e6:.0f} MB")
+    sizes = ", ".join(f"{q} {b / 1e6:.0f}" for q, b in nbytes.items())
+    print(f"{args.model}, {args.unit} unit, {torch.get_num_threads()} threads; weights a step (MB): {sizes}; "
+          f"plain read of {read.num_bytes / 1e6:.0f} MB")
 
     def run(qtype: str, x: dict[int, torch.Tensor]) -> None:
         for packed, out_features, in_features in weights[qtype]:

@@ -187,7 +187,8 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
         rows = random_rows(qtype, 36, cols, seed=7)
         packed = pack_quant(rows)
         ids = torch.tensor([35, 3, 20])
-        assert torch.equal(other.dequant_rows(packed, qtype, 36, cols, ids), k.dequant_rows(packed, qtype, 36, cols, ids))
+        assert torch.equal(other.dequant_rows(packed, qtype, 36, cols, ids),
+                           k.dequant_rows(packed, qtype, 36, cols, ids))
         if not other.has_quant:
             with pytest.raises(RuntimeError, match="code -38"):  # -ENOSYS
                 other.quant_matmul(torch.randn(1, cols), packed, qtype, 36, "avx2")
@@ -197,7 +198,8 @@ def test_other_builds_compute_the_same_bits(tmp_path, march):
                 x = activations(rows_n, cols, seed=rows_n, dtype=dtype)
                 mine = k.quant_matmul(x, packed, qtype, 36, units(k)[-1])
                 for unit in units(other):
-                    assert torch.equal(other.quant_matmul(x, packed, qtype, 36, unit), mine), (qtype, unit, rows_n, dtype)
+                    y = other.quant_matmul(x, packed, qtype, 36, unit)
+                    assert torch.equal(y, mine), (qtype, unit, rows_n, dtype)
 
 
 def test_hn_matmul_runs_every_format_by_the_kernel_its_descriptor_names():

@@ -181,7 +181,8 @@ class Int4Linear:
         is not the library's)."""
         if self.kernels is None:
             raise ValueError("Int4Linear.descriptor: packed for torch's int4 kernel, not the native library's")
-        return DEFINES["HN_Q4"], Q4_INDEX[self.kernel], self.packed, None, self.out_features, self.packed.shape[1] * self.group
+        in_features = self.packed.shape[1] * self.group
+        return DEFINES["HN_Q4"], Q4_INDEX[self.kernel], self.packed, None, self.out_features, in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

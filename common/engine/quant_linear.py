@@ -36,7 +36,8 @@ class QuantLinear:
         self.segments: list[tuple[str, torch.Tensor, int]] = []
         for qtype, run in groupby(parts, key=lambda p: p.qtype):
             run = list(run)
-            rows = run[0] if len(run) == 1 else QuantRows(qtype, np.concatenate([p.data for p in run]), self.in_features)
+            rows = run[0] if len(run) == 1 else QuantRows(qtype, np.concatenate([p.data for p in run]),
+                                                          self.in_features)
             self.segments.append((qtype, pack_quant(rows, arena), rows.rows))
         self.out_features = sum(out for _, _, out in self.segments)
         self.nbytes = sum(packed.numel() for _, packed, _ in self.segments)

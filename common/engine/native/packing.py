@@ -133,7 +133,8 @@ def pack_quant(rows: QuantRows, arena: WeightArena | None = None) -> torch.Tenso
     if in_features % inputs or rows.data.shape != (out_features, blocks * block_bytes):
         raise ValueError(f"pack_quant: {rows.qtype} rows of {in_features} inputs are {blocks * block_bytes} bytes "
                          f"(whole blocks of {inputs}), not {rows.data.shape[1]}")
-    packed = torch.empty(shape, dtype=torch.uint8) if arena is None else arena.take(groups * blocks * record).view(shape)
+    nbytes = groups * blocks * record
+    packed = torch.empty(shape, dtype=torch.uint8) if arena is None else arena.take(nbytes).view(shape)
     dst = packed.numpy()
     src = rows.data.reshape(out_features, blocks, block_bytes)
     full = out_features // DIGIT_OUTPUTS

@@ -66,8 +66,9 @@ int kq_dequant_rows(int64_t format, const uint8_t *packed, int64_t out, int64_t 
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && n * in >= (1 << 18))
     for (int64_t i = 0; i < n; i++) {
         const int64_t g = ids[i] / DIGIT_OUTPUTS;
+        const int n_in_group = (int)(ids[i] % DIGIT_OUTPUTS);
         for (int64_t b = 0; b < blocks; b++)
-            dequant_block(format, packed + (g * blocks + b) * record, (int)(ids[i] % DIGIT_OUTPUTS), y + i * in + b * block);
+            dequant_block(format, packed + (g * blocks + b) * record, n_in_group, y + i * in + b * block);
     }
     return 0;
 }

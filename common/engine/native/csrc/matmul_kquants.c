@@ -25,9 +25,17 @@
  * away. The AVX2 unit takes each register as two halves of 8 outputs and multiplies by vpmaddubsw (codes
  * times a signed digit, pairs summed in 16 bits: at most 2 x 128 x the largest code, 3,840 for Q4_K, 7,936
  * for Q5_K, 16,128 for Q6_K, so it adds 8, 4 and 2 such products before vpmaddwd widens them: nothing
- * saturates or wraps); Q8_0's codes (255 x 128 x 2 would saturate) it widens to 16 bits instead and
- * multiplies with xq itself by vpmaddwd. There is no plain C kernel: a library without these units
+ * saturates or wraps: 16-bit codes times xq by vpmaddwd were slower, docs/benchmarks.md, "Figures behind the
+ * code": K-quant AVX2, bytes by vpmaddubsw); Q8_0's codes (255 x 128 x 2 would saturate) it widens to 16 bits
+ * and multiplies with xq itself by vpmaddwd. There is no plain C kernel: a library without these units
  * (-ENOSYS) leaves the weight to the model's dense path.
+ *
+ * Code: a tile of 1-4 rows of one format is one function per unit and tile height, its blocks' shifts
+ * immediates: the VNNI unit compiles a record's 8 blocks apart, the AVX2 unit a run of those that share their
+ * chunks (kq_run) and loops over the runs (but for Q5_K): about half the code, a few percent slower
+ * (docs/benchmarks.md, "Figures behind the code": K-quant tiles, blocks compiled apart). A tile asks for its
+ * record's lines PREFETCH_AHEAD bytes ahead at the record's start (docs/benchmarks.md, "Figures behind the
+ * code": K-quant prefetch, a record's lines at once).
  */
 #include "matmul_digits.h"
 
@@ -167,7 +175,8 @@ static inline __attribute__((always_inline)) void kq_block_scales_avx2(int fmt, 
 
 /* A record's d (Q8_0, Q6_K: its only scale) and -dmin, and the K-quants' scale and min bytes. */
 static inline __attribute__((always_inline)) void kq_record_scales_avx2(int fmt, const uint8_t *rec, __m256 d[2],
-                                                                        __m256 mind[2], __m256i scb[4], __m256i mnb[4]) {
+                                                                        __m256 mind[2], __m256i scb[4],
+                                                                        __m256i mnb[4]) {
     for (int h = 0; h < 2; h++) {
         d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + (fmt == HN_Q6_K ? Q6_K_D : 0) + 16 * h)));
         mind[h] = d[h];
@@ -190,7 +199,8 @@ static inline __attribute__((always_inline)) int kq_widen_every(int fmt) {
 static inline __attribute__((always_inline)) void kq_block_avx2(const uint8_t *rec, int run, int at, int64_t b,
                                                                 const tile_rows_t *x, const __m256 d[2],
                                                                 const __m256 mind[2], const __m256i scb[4],
-                                                                const __m256i mnb[4], __m256 acc[4][2], __m256 accm[4][2],
+                                                                const __m256i mnb[4], __m256 acc[4][2],
+                                                                __m256 accm[4][2],
                                                                 const int fmt, const int RT) {
     const __m256i ones = _mm256_set1_epi16(1);
     const __m128i down = _mm_cvtsi32_si128(2 * run);
@@ -238,8 +248,8 @@ static inline __attribute__((always_inline)) void kq_block_avx2(const uint8_t *r
 }
 
 /* Rows r0 .. r0 + RT - 1 (RT <= 4) of group g, the K-quants: a record's blocks in runs (kq_run), a run's blocks
- * compiled apart; Q5_K's runs too (its fifth bits' shifts then immediates: a variable one cost a one-row matmul
- * an eighth more). */
+ * compiled apart; Q5_K's runs too, so that its fifth bits' shifts are immediates (docs/benchmarks.md, "Figures
+ * behind the code": K-quant tiles, blocks compiled apart). */
 static inline __attribute__((always_inline)) void kq_tile_avx2(const job_t *j, int64_t r0, int64_t g, const int fmt,
                                                                const int RT) {
     const int64_t supers = j->w.in / QK_K, rec_bytes = kq_record(fmt);
@@ -298,7 +308,8 @@ static inline __attribute__((always_inline)) void q8_0_tile_avx2(const job_t *j,
                 memcpy(&four, x.xq[r] + b * GROUP + 4 * k, sizeof four);
                 const __m256i xk = _mm256_set1_epi64x(four); /* inputs 4k .. 4k + 3: pairs 0, 1 alternating */
                 for (int h = 0; h < 2; h++)
-                    for (int q = 0; q < 2; q++) sum[r][h][q] = _mm256_add_epi32(sum[r][h][q], _mm256_madd_epi16(w[h][q], xk));
+                    for (int q = 0; q < 2; q++)
+                        sum[r][h][q] = _mm256_add_epi32(sum[r][h][q], _mm256_madd_epi16(w[h][q], xk));
             }
         }
         __m256 d[2];
@@ -351,7 +362,8 @@ static inline __attribute__((always_inline)) void kq_codes_512(int fmt, const ui
 }
 
 /* acc + the products of w's bytes with the 4 signed bytes at x, in every dword: vpdpbusd with x broadcast from
- * memory within the instruction (GCC does not fold the broadcast itself). */
+ * memory within the instruction, which GCC does not fold itself (docs/benchmarks.md, "Figures behind the code":
+ * K-quant VNNI, the digits broadcast within vpdpbusd). */
 static inline __attribute__((always_inline)) __m512i dpbusd_bcst(__m512i acc, __m512i w, const dword_t *x) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
     return acc;
@@ -369,11 +381,51 @@ static inline __attribute__((always_inline)) __m512i digit_sum_512(const __m512i
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
 }
 
+/* A block's fp32 step for one row: acc = fma((float)S, D * sx, acc) (kq_scale_avx2's, 16 outputs at once). */
 static inline __attribute__((always_inline)) __m512 kq_scale_512(__m512i s, __m512 d, float sx, __m512 acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(sx)), acc);
 }
 
-/* Rows r0 .. r0 + RT - 1 (RT <= 4) of group g. */
+/* Block sub = run * kq_run + at of record `rec` (the b-th block of the rows) for rows r0 .. r0 + RT - 1 (RT <= 4)
+ * of a group: d the record's d (Q8_0: the block's), mind its -dmin, scb and mnb its scale and min bytes. */
+static inline __attribute__((always_inline)) void kq_block_vnni(const uint8_t *rec, int run, int at, int64_t b,
+                                                                const tile_rows_t *x, __m512 d, __m512 mind,
+                                                                const __m256i scb[4], const __m256i mnb[4],
+                                                                __m512 acc[4], __m512 accm[4], const int fmt,
+                                                                const int RT) {
+    const int sub = run * kq_run(fmt) + at;
+    __m512i w[8];
+    kq_codes_512(fmt, rec, run, at, w);
+    __m512 dd[2] = {d, d}, mm = d;
+    if (fmt == HN_Q6_K) {
+        for (int i = 0; i < 2; i++)
+            dd[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(rec + Q6_K_SCALES + 16 * (2 * sub + i))))), d);
+    } else if (fmt != HN_Q8_0) {
+        dd[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub_bytes(scb, sub))), d);
+        mm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub_bytes(mnb, sub))), mind);
+    }
+    for (int r = 0; r < RT; r++) {
+        const dword_t *xd = (const dword_t *)(x->xd[r] + b * XD_BLOCK);
+        const float sx = x->sx[r][b];
+        if (fmt == HN_Q6_K) { /* its two sub-blocks in turn, each less 32 sum xq */
+            for (int i = 0; i < 2; i++) {
+                const __m512i bias = _mm512_set1_epi32(32 * x->xq_sums[r][2 * b + i]);
+                acc[r] = kq_scale_512(_mm512_sub_epi32(digit_sum_512(w, xd, 4 * i, 4), bias), dd[i], sx, acc[r]);
+            }
+        } else if (fmt == HN_Q8_0) { /* less 128 sum xq */
+            const __m512i bias = _mm512_set1_epi32(128 * (x->xq_sums[r][2 * b] + x->xq_sums[r][2 * b + 1]));
+            acc[r] = kq_scale_512(_mm512_sub_epi32(digit_sum_512(w, xd, 0, 8), bias), d, sx, acc[r]);
+        } else {
+            acc[r] = kq_scale_512(digit_sum_512(w, xd, 0, 8), dd[0], sx, acc[r]);
+            accm[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(x->sumx[r][b]), accm[r]);
+        }
+    }
+}
+
+/* Rows r0 .. r0 + RT - 1 (RT <= 4) of group g: a record's blocks all compiled apart, every shift an immediate
+ * (a loop over kq_run's runs was slower here: docs/benchmarks.md, "Figures behind the code": K-quant tiles,
+ * blocks compiled apart). */
 static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, int64_t r0, int64_t g, const int fmt,
                                                                const int RT) {
     const int subs = kq_subs(fmt);
@@ -387,46 +439,17 @@ static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, i
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (fmt == HN_Q6_K ? Q6_K_D : 0))));
         __m512 mind = d;
         __m256i scb[4], mnb[4];
-        if (fmt == HN_Q4_K || fmt == HN_Q5_K) {
+        if (fmt == HN_Q4_K || fmt == HN_Q5_K) { /* -dmin: the mins subtract */
             mind = _mm512_cvtph_ps(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rec + K_DMIN)),
                                                     _mm256_set1_epi16((short)0x8000)));
             kq_scale_bytes(rec + K_SCALES, scb, mnb);
         }
 #pragma GCC unroll 8
-        for (int run = 0; run < subs / kq_run(fmt); run++) {
+        for (int run = 0; run < subs / kq_run(fmt); run++)
 #pragma GCC unroll 4
-          for (int at = 0; at < kq_run(fmt); at++) {
-            const int sub = run * kq_run(fmt) + at;
-            const int64_t b = s * subs + sub;
-            __m512i w[8];
-            kq_codes_512(fmt, rec, run, at, w);
-            __m512 dd[2] = {d, d}, mm = d;
-            if (fmt == HN_Q6_K) {
-                for (int i = 0; i < 2; i++)
-                    dd[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i *)(rec + Q6_K_SCALES + 16 * (2 * sub + i))))), d);
-            } else if (fmt != HN_Q8_0) {
-                dd[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub_bytes(scb, sub))), d);
-                mm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub_bytes(mnb, sub))), mind);
-            }
-            for (int r = 0; r < RT; r++) {
-                const dword_t *xd = (const dword_t *)(x.xd[r] + b * XD_BLOCK);
-                const float sx = x.sx[r][b];
-                if (fmt == HN_Q6_K) {
-                    for (int i = 0; i < 2; i++) {
-                        const __m512i bias = _mm512_set1_epi32(32 * x.xq_sums[r][2 * b + i]);
-                        acc[r] = kq_scale_512(_mm512_sub_epi32(digit_sum_512(w, xd, 4 * i, 4), bias), dd[i], sx, acc[r]);
-                    }
-                } else if (fmt == HN_Q8_0) {
-                    const __m512i bias = _mm512_set1_epi32(128 * (x.xq_sums[r][2 * b] + x.xq_sums[r][2 * b + 1]));
-                    acc[r] = kq_scale_512(_mm512_sub_epi32(digit_sum_512(w, xd, 0, 8), bias), d, sx, acc[r]);
-                } else {
-                    acc[r] = kq_scale_512(digit_sum_512(w, xd, 0, 8), dd[0], sx, acc[r]);
-                    accm[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(x.sumx[r][b]), accm[r]);
-                }
-            }
-          }
-        }
+            for (int at = 0; at < kq_run(fmt); at++)
+                kq_block_vnni(rec, run, at, s * subs + run * kq_run(fmt) + at, &x, d, mind, scb, mnb, acc, accm, fmt,
+                              RT);
     }
     for (int r = 0; r < RT; r++) digit_store(j, r0 + r, g * DIGIT_QUADS, acc[r], accm[r]);
 }
@@ -487,8 +510,7 @@ int kq_matmul(int64_t format, int64_t unit, const void *x, int x_bf16, int64_t x
                      .sumx = dg.sx + rows * (in / GROUP), .rows = rows, .y = y, .y_stride = y_stride, .y_bf16 = y_bf16,
                      .xd = dg.xd, .xq_sums = dg.xq_sums};
     const int64_t groups = (out + DIGIT_OUTPUTS - 1) / DIGIT_OUTPUTS;
-    const int64_t group_bytes = in / block * (format == HN_Q8_0 ? Q8_0_RECORD : format == HN_Q4_K ? Q4_K_RECORD
-                                                                                : format == HN_Q5_K ? Q5_K_RECORD : Q6_K_RECORD);
+    const int64_t group_bytes = in / block * kq_record((int)format);
     const int err = run_parts(kq_groups(format, vnni), &j, groups, 1, steal_chunk(group_bytes, 1), threads);
     digits_free(&dg);
     return err;
