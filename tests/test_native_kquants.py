@@ -79,16 +79,18 @@ def quant_kernels():
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_packing_moves_the_files_bytes_and_rows_read_back_as_gguf_dequantizes_them(qtype):
-    """pack_quant's records are the file's bytes, moved (16 x the block's bytes a record: none added, none
-    changed: the same multiset of bytes, the padding outputs zero); kq_dequant_rows reads any rows back, in
-    any order, to gguf.quants.dequantize's fp32 values bit for bit; in an arena as well."""
+    """pack_quant's records are the file's bytes, moved (16 x the block's bytes a record, and Q6_K's 32 zero
+    bytes: none changed, the same multiset of bytes, the padding outputs and bytes zero); kq_dequant_rows reads
+    any rows back, in any order, to gguf.quants.dequantize's fp32 values bit for bit; in an arena as well."""
     k = native_kernels()
     out, cols = 37, 768 if qtype != "Q8_0" else 160  # the last group of 16 padded; 3 super-blocks (5 blocks)
     rows = random_rows(qtype, out, cols)
     packed = pack_quant(rows)
     assert tuple(packed.shape) == quant_shape(qtype, out, cols) and packed.dtype == torch.uint8
-    assert packed.numel() == 48 * rows.data.shape[1]  # 3 groups of 16 rows, each the file's bytes a row
-    padding = np.zeros((48 - out) * rows.data.shape[1], np.uint8)
+    records = packed.shape[0] * packed.shape[1]
+    pad_bytes = {"Q6_K": 32}.get(qtype, 0)  # to a whole number of cache lines
+    assert packed.numel() == 48 * rows.data.shape[1] + records * pad_bytes  # 3 groups of 16 rows: the file's bytes
+    padding = np.zeros((48 - out) * rows.data.shape[1] + records * pad_bytes, np.uint8)
     assert np.array_equal(np.sort(packed.numpy(), axis=None), np.sort(np.concatenate([rows.data.ravel(), padding])))
     want = reference(rows)
     ids = torch.tensor([36, 0, 17, 17, 5, 31, 16, 15])
@@ -236,7 +238,7 @@ def test_a_fused_matrix_of_parts_in_different_formats_is_each_parts_product():
     unit = quant_unit("auto", k)
     wqkv = QuantLinear.create([q, kk, v], k, unit, WeightArena(huge=False))
     assert [(qtype, out) for qtype, _, out in wqkv.segments] == [("Q4_K", 80), ("Q6_K", 16)]
-    assert wqkv.out_features == 96 and wqkv.nbytes == 80 * q.data.shape[1] + 16 * v.data.shape[1]
+    assert wqkv.out_features == 96 and wqkv.nbytes == 80 * q.data.shape[1] + 16 * v.data.shape[1] + 2 * 32  # Q6_K pad
     for dtype in (torch.float32, torch.bfloat16):
         x = activations(6, 512, seed=14, dtype=dtype)
         y = wqkv(x)

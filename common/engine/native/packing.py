@@ -121,21 +121,24 @@ def pack_quant(rows: QuantRows, arena: WeightArena | None = None) -> torch.Tenso
     blocks of the file, field by field in the file's order (QUANT_FIELDS), each field's bytes interleaved
     across the 16 outputs a word at a time: 4 bytes of codes or high bits (so 64 bytes of a field are one
     register of 16 dwords, dword n output n's), 2 of an fp16, 1 of the scales (csrc/handoff_native.h has
-    what each field holds). The file's bytes moved, none added or changed: 16 x the block's bytes a record.
-    Outputs padded with zero blocks (d = 0: zero weights) to a multiple of 16."""
+    what each field holds). The file's bytes moved, none changed, none added but Q6_K's 32 zero bytes a record
+    (to a whole number of cache lines). Outputs padded with zero blocks (d = 0: zero weights) to a multiple
+    of 16."""
     if rows.qtype not in QUANT_FIELDS:
         raise ValueError(f"pack_quant: {rows.qtype} is not one of {', '.join(QUANT_FIELDS)}")
     inputs, block_bytes = quant_block(rows.qtype)
     out_features, in_features = rows.rows, rows.cols
     shape = quant_shape(rows.qtype, out_features, in_features)
     groups, blocks, record = shape
-    assert record == DIGIT_OUTPUTS * block_bytes, "handoff_native.h's record disagrees with GGUF's block"
+    filled = DIGIT_OUTPUTS * block_bytes  # a record's bytes from the file; the rest (Q6_K's padding) zero
+    assert filled <= record < filled + 64, "handoff_native.h's record disagrees with GGUF's block"
     if in_features % inputs or rows.data.shape != (out_features, blocks * block_bytes):
         raise ValueError(f"pack_quant: {rows.qtype} rows of {in_features} inputs are {blocks * block_bytes} bytes "
                          f"(whole blocks of {inputs}), not {rows.data.shape[1]}")
     nbytes = groups * blocks * record
     packed = torch.empty(shape, dtype=torch.uint8) if arena is None else arena.take(nbytes).view(shape)
     dst = packed.numpy()
+    dst[:, :, filled:] = 0
     src = rows.data.reshape(out_features, blocks, block_bytes)
     full = out_features // DIGIT_OUTPUTS
     _interleave(src[:full * DIGIT_OUTPUTS], dst[:full], rows.qtype)

@@ -26,7 +26,8 @@
  * group's 16 rows: their 16 blocks of the file, field by field in the file's order, each field's bytes
  * interleaved across the 16 outputs KQ_WORD bytes at a time for the codes and high bits (so that 64 bytes
  * of a field are one register of 16 dwords, dword n output n's 4 bytes, as vpdpbusd takes them), 2 for an
- * fp16, 1 for the scales. Nothing is added or widened: a record is the 16 blocks' bytes, moved.
+ * fp16, 1 for the scales. Nothing is widened, and nothing added but Q6_K's padding: a record is the 16 blocks'
+ * bytes, moved.
  *
  *   Q8_0 (34-byte blocks of 32 inputs): 16 fp16 d, then 8 chunks of 64 codes (chunk k: inputs 4k .. 4k + 3).
  *   Q4_K (144-byte blocks of 256): 16 fp16 d, 16 fp16 dmin, 12 x 16 bytes of the 6-bit scales and mins as
@@ -36,13 +37,15 @@
  *     4k + t), then the codes as Q4_K's.
  *   Q6_K (210): 32 chunks of the low 4 bits (chunk 16h + k: inputs 128h + 4k .. + 3 in the low nibbles, those
  *     + 64 in the high ones), 16 of the top 2 (chunk 8h + k, bits 2p, 2p + 1: input 128h + 32p + 4k + t's),
- *     16 x 16 int8 scales (byte 16i + n: output n's of sub-block i), 16 fp16 d. */
+ *     16 x 16 int8 scales (byte 16i + n: output n's of sub-block i), 16 fp16 d, then 32 bytes of zeros, so that
+ *     every record, and every chunk in it, starts a cache line (16 x 210 is 52.5 lines: every other record's
+ *     chunks straddled two, which cost a one-row step more than the 1 % more bytes). */
 #define QK_K 256        /* inputs a K-quant super-block */
 #define KQ_WORD 4       /* bytes of a code field an output takes in turn: dword n of a chunk */
 #define Q8_0_RECORD 544 /* 16 x 34 */
 #define Q4_K_RECORD 2304 /* 16 x 144 */
 #define Q5_K_RECORD 2816 /* 16 x 176 */
-#define Q6_K_RECORD 3360 /* 16 x 210 */
+#define Q6_K_RECORD 3392 /* 16 x 210 + 32 */
 
 /* ---- Weight formats of the one matmul entry, hn_matmul (matmul_dispatch.c) */
 
