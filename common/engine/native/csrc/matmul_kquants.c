@@ -33,9 +33,10 @@
  * Code: a tile of 1-4 rows of one format is one function per unit and tile height, its blocks' shifts
  * immediates: the VNNI unit compiles a record's 8 blocks apart, the AVX2 unit a run of those that share their
  * chunks (kq_run) and loops over the runs (but for Q5_K): about half the code, a few percent slower
- * (docs/benchmarks.md, "Figures behind the code": K-quant tiles, blocks compiled apart). A tile asks for its
- * record's lines PREFETCH_AHEAD bytes ahead at the record's start (docs/benchmarks.md, "Figures behind the
- * code": K-quant prefetch, a record's lines at once).
+ * (docs/benchmarks.md, "Figures behind the code": K-quant tiles, blocks compiled apart). A K-quant tile asks
+ * for its record's lines PREFETCH_AHEAD bytes ahead at the record's start; Q8_0's small records (544 bytes, one
+ * block) are left to the hardware prefetcher, which ran faster (docs/benchmarks.md, "Figures behind the code":
+ * K-quant prefetch, a record's lines at once).
  */
 #include "matmul_digits.h"
 
@@ -292,7 +293,6 @@ static inline __attribute__((always_inline)) void q8_0_tile_avx2(const job_t *j,
     __m256 acc[4][2];
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, rec += Q8_0_RECORD) {
-        for (int line = 0; line < Q8_0_RECORD; line += 64) DIGIT_PREFETCH(rec + line);
         __m256i sum[4][2][2]; /* [row][half][outputs 0-3, 4-7 of the half]: lane 2n + p, pair p of output n */
         for (int r = 0; r < RT; r++)
             for (int h = 0; h < 2; h++) sum[r][h][0] = sum[r][h][1] = _mm256_setzero_si256();
@@ -435,7 +435,8 @@ static inline __attribute__((always_inline)) void kq_tile_vnni(const job_t *j, i
     __m512 acc[4], accm[4];
     for (int r = 0; r < RT; r++) acc[r] = accm[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < records; s++, rec += rec_bytes) {
-        for (int line = 0; line < rec_bytes; line += 64) DIGIT_PREFETCH(rec + line);
+        if (fmt != HN_Q8_0) /* Q8_0: the hardware prefetcher alone */
+            for (int line = 0; line < rec_bytes; line += 64) DIGIT_PREFETCH(rec + line);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (fmt == HN_Q6_K ? Q6_K_D : 0))));
         __m512 mind = d;
         __m256i scb[4], mnb[4];
