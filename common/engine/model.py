@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from common.engine import native, pages
 from common.engine.config import ModelConfig
 from common.engine.native.bindings import DecodeKernels, layer_pointers
-from common.engine.native.choice import MATMUL_MODES, Q4_LAYOUT, matmuls_mode, runnable_mode
+from common.engine.native.choice import MATMUL_MODES, Q4_INDEX, Q4_LAYOUT, matmuls_mode, runnable_mode
+from common.engine.native.header import DEFINES
 from common.engine.native.packing import pack_q4, pack_q8
 from common.engine.weights import release_freed_pages
 
@@ -173,6 +174,15 @@ class Int4Linear:
         self.scales_zeros = torch.stack([torch.from_numpy(scales), torch.from_numpy(zeros)], -1).transpose(
             0, 1).contiguous().to(device=device, dtype=torch.bfloat16)
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def descriptor(self) -> tuple:
+        """(format, unit, packed, scale, out, in) for an hn_weight_t (layers.c): HN_Q4, the Q4 kernel's
+        Q4_KERNEL_* number, the packed blocks, no scale. Only with the native kernels (torch's int4 packing
+        is not the library's)."""
+        if self.kernels is None:
+            raise ValueError("Int4Linear.descriptor: packed for torch's int4 kernel, not the native library's")
+        in_features = self.packed.shape[1] * self.group
+        return DEFINES["HN_Q4"], Q4_INDEX[self.kernel], self.packed, None, self.out_features, in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

@@ -10,7 +10,7 @@ import torch
 
 from common.engine.native.choice import Q4_ENTRIES, Q4_INDEX, Q4_LAYOUT
 from common.engine.native.header import DEFINES
-from common.engine.native.packing import GROUP, q4_shape
+from common.engine.native.packing import GROUP, QUANT_FORMATS, q4_shape, quant_block, quant_shape
 
 LANES = DEFINES["LANES"]  # attention's and add_rms_norm's sums: head_dim and hidden multiples of it
 MAX_HEADS_PER_KV, MAX_HEADS, MAX_HEAD_DIM = DEFINES["MAX_HEADS_PER_KV"], DEFINES["MAX_HEADS"], DEFINES["MAX_HEAD_DIM"]
@@ -42,6 +42,27 @@ MATMUL_ARGS = {**{name: [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int,
                "q8_matmul": [_P, ctypes.c_int, _I, _I, _P, _P, _I, _I, _P, ctypes.c_int, _I, _I]}
 # The logits: logits, rows, vocab, hidden, head, dim, k, threads; x, rows, cols, out, threads
 LOGITS_ARGS = {"refine_top": [_P, _I, _I, _P, _P, _I, _I, _I], "argmax_rows": [_P, _I, _I, _P, _I]}
+# The K-quants and Q8_0: format, unit, then a Q4 kernel's arguments; rows of them dequantized: format, packed,
+# out, in, ids, n, y, threads; any packed format: the weight (HnWeight), x, x is bf16, its stride, rows, y, y is
+# bf16, its stride, threads
+QUANT_ARGS = {"kq_matmul": [_I, _I, _P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ctypes.c_int, _I, _I],
+              "kq_dequant_rows": [_I, _P, _I, _I, _P, _I, _P, _I],
+              "hn_matmul": [_P, _P, ctypes.c_int, _I, _I, _P, ctypes.c_int, _I, _I]}
+# The int8 digit kernel's units that multiply the K-quants and Q8_0 (choice.DIGIT_KERNELS'; amx runs vnni's)
+QUANT_UNITS = ("avx2", "vnni", "amx")
+
+
+class HnWeight(ctypes.Structure):
+    """hn_weight_t: one packed matrix for hn_matmul (and the layer stack): its format (HN_*), the kernel unit
+    (a Q4_KERNEL_*), its bytes, the int8 head's scales (else None), its sizes."""
+    _fields_ = [("format", _I), ("unit", _I), ("packed", _P), ("scale", _P), ("out", _I), ("in_", _I)]
+
+    @classmethod
+    def of(cls, descriptor: tuple) -> HnWeight:
+        """From a packed linear's descriptor(): (format, unit, packed, scale or None, out, in); keep the
+        tensors alive while the struct is used."""
+        fmt, unit, packed, scale, out, in_ = descriptor
+        return cls(fmt, unit, packed.data_ptr(), None if scale is None else scale.data_ptr(), out, in_)
 
 
 def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> ctypes.Array:
@@ -65,7 +86,7 @@ class DecodeKernels:
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._fns[name, dtype] = fn
         self._matmuls = {}
-        for name, argtypes in {**MATMUL_ARGS, **LOGITS_ARGS}.items():
+        for name, argtypes in {**MATMUL_ARGS, **LOGITS_ARGS, **QUANT_ARGS}.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self._matmuls[name] = fn
@@ -78,6 +99,9 @@ class DecodeKernels:
         self.has_amx = self._runs("q4_matmul_amx")
         # Its AVX2 unit, the same bits again, in every GCC 11+ AVX2 build (the portable one included).
         self.has_avx2_digits = self._runs("q4_matmul_avx2")
+        # The K-quant and Q8_0 kernels: the same digit units, in the same builds.
+        self.has_quant = self._matmuls["kq_matmul"](QUANT_FORMATS["Q8_0"], Q4_INDEX["avx2"], None, 1, GROUP, 0,
+                                                     None, 1, GROUP, None, 1, 1, 1) == 0
 
     def _runs(self, name: str) -> bool:
         """Whether this build and CPU run Q4 kernel `name`: asked with no rows, it answers 0 or -ENOSYS."""
@@ -165,14 +189,59 @@ class DecodeKernels:
         them out."""
         return self._matmul("q8_matmul", x, (packed, scales), out_features, torch.float32)
 
+    def quant_matmul(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features: int,
+                     unit: str = "vnni") -> torch.Tensor:
+        """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T -> [rows, out] in x's dtype; W a GGUF Q8_0,
+        Q4_K, Q5_K or Q6_K matrix as pack_quant lays it out (`has_quant`), by the digit kernel's unit "avx2",
+        "vnni" (`has_vnni`) or "amx" (the vnni unit): the same bits on each."""
+        if qtype not in QUANT_FORMATS or unit not in QUANT_UNITS:
+            raise ValueError(f"quant_matmul: {qtype} by {unit!r}: use one of {', '.join(QUANT_FORMATS)} by one of "
+                             f"{QUANT_UNITS}")
+        if x.shape[1] % quant_block(qtype)[0]:
+            raise ValueError(f"quant_matmul: x has {x.shape[1]} inputs, not whole {qtype} blocks of "
+                             f"{quant_block(qtype)[0]}")
+        self._check_packed(packed, quant_shape(qtype, out_features, x.shape[1]), "quant_matmul")
+        args = (QUANT_FORMATS[qtype], Q4_INDEX[unit])
+        return self._matmul("kq_matmul", x, (packed,), out_features, x.dtype, args)
+
+    def dequant_rows(self, packed: torch.Tensor, qtype: str, out_features: int, in_features: int,
+                     ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64) of a pack_quant weight, dequantized: fp32 [len(ids), in], gguf.quants.dequantize's
+        values bit for bit (kquant_rows.c: every build)."""
+        self._check_packed(packed, quant_shape(qtype, out_features, in_features), "dequant_rows")
+        ids = ids.to(torch.int64).contiguous()
+        y = torch.empty(len(ids), in_features, dtype=torch.float32)
+        self._check(self._matmuls["kq_dequant_rows"](QUANT_FORMATS[qtype], packed.data_ptr(), out_features,
+                                                     in_features, ids.data_ptr(), len(ids), y.data_ptr(),
+                                                     torch.get_num_threads()), "dequant_rows")
+        return y
+
+    def hn_matmul(self, x: torch.Tensor, weight: HnWeight) -> torch.Tensor:
+        """x [rows, in] @ W^T -> [rows, out] in x's dtype, W any packed weight (hn_matmul, the layer stack's
+        entry); the caller keeps W's tensors alive and checked (the C checks the sizes it can)."""
+        if x.dtype not in SUFFIXES or x.stride(1) != 1 or x.shape[1] != weight.in_:
+            raise ValueError("hn_matmul: x must be fp32 or bf16 with contiguous rows of the weight's inputs")
+        y = torch.empty(x.shape[0], weight.out, dtype=x.dtype)
+        self._check(self._matmuls["hn_matmul"](ctypes.byref(weight), x.data_ptr(), x.dtype == torch.bfloat16,
+                                               x.stride(0), x.shape[0], y.data_ptr(), x.dtype == torch.bfloat16,
+                                               weight.out, torch.get_num_threads()), "hn_matmul")
+        return y
+
+    @staticmethod
+    def _check_packed(packed: torch.Tensor, want: tuple, what: str) -> None:
+        if tuple(packed.shape) != want or packed.dtype != torch.uint8 or not packed.is_contiguous():
+            raise ValueError(f"{what}: the weight is {tuple(packed.shape)} {packed.dtype}, where these sizes are "
+                             f"{want} uint8, contiguous: pack it with pack_quant")
+
     def _matmul(self, name: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...], out_features: int,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, lead: tuple = ()) -> torch.Tensor:
+        """`lead`: the arguments before x (kq_matmul's format and unit)."""
         rows, in_features = x.shape
         if x.dtype not in SUFFIXES or x.stride(1) != 1 or not all(t.is_contiguous() for t in weight):
             raise ValueError(f"{name}: x must be fp32 or bf16 with contiguous rows, the weight contiguous")
         y = torch.empty(rows, out_features, dtype=out_dtype)
         self._check(self._matmuls[name](
-            x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), rows, *(t.data_ptr() for t in weight),
+            *lead, x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), rows, *(t.data_ptr() for t in weight),
             out_features, in_features, y.data_ptr(), out_dtype == torch.bfloat16, out_features,
             torch.get_num_threads()), name)
         return y

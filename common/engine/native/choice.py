@@ -122,3 +122,15 @@ def runnable_mode(mode: str, kernels: DecodeKernels) -> str:
                     "using torch's int4 kernel instead")
         mode = "torch"
     return mode
+
+
+def quant_unit(mode: str, kernels: DecodeKernels) -> str:
+    """The int8 digit kernel unit that multiplies the K-quants and Q8_0 when the Q4 weights run `mode`: that
+    mode's unit where it is one of the digit kernel's (amx runs the K-quants on its vnni half: the same bits),
+    else the widest this library and CPU run (another Q4 kernel's mode says nothing of the K-quants, whose
+    only kernels these are)."""
+    if mode in ("amx", "vnni") and kernels.has_vnni:
+        return mode
+    if mode == "avx2":
+        return mode
+    return "vnni" if kernels.has_vnni else "avx2"

@@ -1,13 +1,16 @@
 """Decode's packed weights, laid out as the C matmuls read them: the model file's Q4 blocks (pack_q4, in
-the quads layout or the int8 digit kernels' digits layout) and the int8 LM head (pack_q8). The sizes
-come from csrc/handoff_native.h (header.py), where the C reads them too."""
+the quads layout or the int8 digit kernels' digits layout), its K-quant and Q8_0 blocks (pack_quant) and
+the int8 LM head (pack_q8). The sizes come from csrc/handoff_native.h (header.py), where the C reads them
+too."""
 from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from common.engine.native.header import DEFINES
 from common.engine.pages import WeightArena
+from common.engine.weights import QuantRows
 
 GROUP = DEFINES["GROUP"]  # inputs a block
 QUAD = DEFINES["QUAD"]  # outputs packed together, their blocks interleaved (quads layout, q8)
@@ -15,6 +18,17 @@ Q4_RECORD = DEFINES["Q4_RECORD"]  # bytes of one block of a quad
 DIGIT_OUTPUTS = DEFINES["DIGIT_OUTPUTS"]  # outputs packed together in the digits layout
 DIGIT_RECORD = DEFINES["DIGIT_RECORD"]  # bytes of one block of a group of them
 LAYOUTS = ("quads", "digits")
+KQ_WORD = DEFINES["KQ_WORD"]  # bytes of a code field an output takes in turn (dword n of a register)
+# GGUF's block of each type pack_quant takes, field by field in the file's order: (bytes, the bytes an output
+# takes in turn in a record: KQ_WORD of the codes and high bits, 2 of an fp16, 1 of the scales).
+QUANT_FIELDS = {
+    "Q8_0": ((2, 2), (32, KQ_WORD)),  # d, qs
+    "Q4_K": ((2, 2), (2, 2), (12, 1), (128, KQ_WORD)),  # d, dmin, scales (6-bit sc and m), qs
+    "Q5_K": ((2, 2), (2, 2), (12, 1), (32, KQ_WORD), (128, KQ_WORD)),  # d, dmin, scales, qh, qs
+    "Q6_K": ((128, KQ_WORD), (64, KQ_WORD), (16, 1), (2, 2)),  # ql, qh, scales (int8), d
+}
+QUANT_FORMATS = {qtype: DEFINES[f"HN_{qtype}"] for qtype in QUANT_FIELDS}  # hn_matmul's format numbers
+QUANT_RECORD = {qtype: DEFINES[f"{qtype}_RECORD"] for qtype in QUANT_FIELDS}  # bytes of a group's block
 
 
 def q4_shape(out_features: int, in_features: int, layout: str) -> tuple[int, int, int]:
@@ -89,3 +103,59 @@ def pack_q8(codes: torch.Tensor, scales: torch.Tensor,
     packed = arena.take(layout.numel()).view(torch.int8).view(layout.shape)
     packed.copy_(layout)
     return packed, scales.contiguous()
+
+
+def quant_block(qtype: str) -> tuple[int, int]:
+    """GGUF's (inputs, bytes) of one block of `qtype`."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+
+
+def quant_shape(qtype: str, out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The uint8 shape pack_quant gives a `qtype` weight of these sizes: [groups of 16 outputs, blocks, record]."""
+    return -(-out_features // DIGIT_OUTPUTS), in_features // quant_block(qtype)[0], QUANT_RECORD[qtype]
+
+
+def pack_quant(rows: QuantRows, arena: WeightArena | None = None) -> torch.Tensor:
+    """A GGUF Q8_0, Q4_K, Q5_K or Q6_K matrix as stored (rows.data: [out, bytes a row]) -> kq_matmul's layout,
+    in `arena`'s memory where one is given: [groups of 16 outputs, blocks, record], a record the group's 16
+    blocks of the file, field by field in the file's order (QUANT_FIELDS), each field's bytes interleaved
+    across the 16 outputs a word at a time: 4 bytes of codes or high bits (so 64 bytes of a field are one
+    register of 16 dwords, dword n output n's), 2 of an fp16, 1 of the scales (csrc/handoff_native.h has
+    what each field holds). The file's bytes moved, none changed, none added but Q6_K's 32 zero bytes a record
+    (to a whole number of cache lines). Outputs padded with zero blocks (d = 0: zero weights) to a multiple
+    of 16."""
+    if rows.qtype not in QUANT_FIELDS:
+        raise ValueError(f"pack_quant: {rows.qtype} is not one of {', '.join(QUANT_FIELDS)}")
+    inputs, block_bytes = quant_block(rows.qtype)
+    out_features, in_features = rows.rows, rows.cols
+    shape = quant_shape(rows.qtype, out_features, in_features)
+    groups, blocks, record = shape
+    filled = DIGIT_OUTPUTS * block_bytes  # a record's bytes from the file; the rest (Q6_K's padding) zero
+    assert filled <= record < filled + 64, "handoff_native.h's record disagrees with GGUF's block"
+    if in_features % inputs or rows.data.shape != (out_features, blocks * block_bytes):
+        raise ValueError(f"pack_quant: {rows.qtype} rows of {in_features} inputs are {blocks * block_bytes} bytes "
+                         f"(whole blocks of {inputs}), not {rows.data.shape[1]}")
+    nbytes = groups * blocks * record
+    packed = torch.empty(shape, dtype=torch.uint8) if arena is None else arena.take(nbytes).view(shape)
+    dst = packed.numpy()
+    dst[:, :, filled:] = 0
+    src = rows.data.reshape(out_features, blocks, block_bytes)
+    full = out_features // DIGIT_OUTPUTS
+    _interleave(src[:full * DIGIT_OUTPUTS], dst[:full], rows.qtype)
+    if full < groups:  # the last group's missing outputs: zero blocks
+        last = np.zeros((DIGIT_OUTPUTS, blocks, block_bytes), np.uint8)
+        last[:out_features - full * DIGIT_OUTPUTS] = src[full * DIGIT_OUTPUTS:]
+        _interleave(last, dst[full:], rows.qtype)
+    return packed
+
+
+def _interleave(src: np.ndarray, dst: np.ndarray, qtype: str) -> None:
+    """src [16 g, blocks, block bytes] -> dst [g, blocks, record]: each field's words, output by output."""
+    groups, blocks = dst.shape[:2]
+    at = 0
+    for size, word in QUANT_FIELDS[qtype]:
+        dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32}[word]
+        field = src[:, :, at:at + size].view(dtype).reshape(groups, DIGIT_OUTPUTS, blocks, size // word)
+        out = dst[:, :, DIGIT_OUTPUTS * at:DIGIT_OUTPUTS * (at + size)].view(dtype)
+        out.reshape(groups, blocks, size // word, DIGIT_OUTPUTS)[...] = field.transpose(0, 2, 3, 1)
+        at += size

@@ -21,6 +21,45 @@
 #define DIGIT_OUTPUTS 16 /* the int8 digit kernels' group of outputs: one register of 16 int32 / fp32 */
 #define DIGIT_RECORD 320 /* bytes of one block of a group (digits layout): 256 of codes, 16 fp16 d, 16 fp16 m */
 
+/* The GGUF K-quants and Q8_0, packed for the int8 digit kernels (matmul_kquants.c) as pack_quant lays them
+ * out: [groups of DIGIT_OUTPUTS outputs, blocks, record], a record one block (QK_K inputs; Q8_0: GROUP) of a
+ * group's 16 rows: their 16 blocks of the file, field by field in the file's order, each field's bytes
+ * interleaved across the 16 outputs KQ_WORD bytes at a time for the codes and high bits (so that 64 bytes
+ * of a field are one register of 16 dwords, dword n output n's 4 bytes, as vpdpbusd takes them), 2 for an
+ * fp16, 1 for the scales. Nothing is widened, and nothing added but Q6_K's padding: a record is the 16 blocks'
+ * bytes, moved.
+ *
+ *   Q8_0 (34-byte blocks of 32 inputs): 16 fp16 d, then 8 chunks of 64 codes (chunk k: inputs 4k .. 4k + 3).
+ *   Q4_K (144-byte blocks of 256): 16 fp16 d, 16 fp16 dmin, 12 x 16 bytes of the 6-bit scales and mins as
+ *     GGUF packs them (byte 16b + n: output n's byte b), then 32 chunks of codes (chunk 8c + k: the low
+ *     nibbles inputs 64c + 4k .. + 3, the high ones those + 32: sub-blocks 2c and 2c + 1).
+ *   Q5_K (176): d, dmin, the scales, 8 chunks of fifth bits (chunk k, bit i of a byte: sub-block i's input
+ *     4k + t), then the codes as Q4_K's.
+ *   Q6_K (210): 32 chunks of the low 4 bits (chunk 16h + k: inputs 128h + 4k .. + 3 in the low nibbles, those
+ *     + 64 in the high ones), 16 of the top 2 (chunk 8h + k, bits 2p, 2p + 1: input 128h + 32p + 4k + t's),
+ *     16 x 16 int8 scales (byte 16i + n: output n's of sub-block i), 16 fp16 d, then 32 bytes of zeros, so that
+ *     every record, and every chunk in it, starts a cache line (16 x 210 is 52.5 lines: every other record's
+ *     chunks straddled two, which cost a one-row step more than the 1 % more bytes). */
+#define QK_K 256        /* inputs a K-quant super-block */
+#define KQ_WORD 4       /* bytes of a code field an output takes in turn: dword n of a chunk */
+#define Q8_0_RECORD 544 /* 16 x 34 */
+#define Q4_K_RECORD 2304 /* 16 x 144 */
+#define Q5_K_RECORD 2816 /* 16 x 176 */
+#define Q6_K_RECORD 3392 /* 16 x 210 + 32 */
+
+/* ---- Weight formats of the one matmul entry, hn_matmul (matmul_dispatch.c) */
+
+#define HN_Q4 0   /* GGUF Q4_0 / Q4_1 as pack_q4 lays them out for the Q4 kernel `unit` (a Q4_KERNEL_*) */
+#define HN_Q8_0 1 /* pack_quant's layouts above; `unit` one of the int8 digit kernel's: Q4_KERNEL_AVX2, _VNNI */
+#define HN_Q4_K 2 /* (_AMX runs the VNNI unit: the same bits) */
+#define HN_Q5_K 3
+#define HN_Q6_K 4
+/* Row segments of other weights, one after the other, each of its own format: a fused matrix whose parts the
+ * file stores in different formats (a Q4_K_M file's attn_q and attn_k in Q4_K, attn_v in Q6_K). `packed`
+ * points to an array of `unit` hn_weight_t (none of them parts), each of `in` inputs, their outputs adding up
+ * to `out`. */
+#define HN_PARTS 5
+
 /* ---- The Q4 kernels, numbered for decode_layers' q4_kernel (native/choice.py's Q4_INDEX) */
 
 #define Q4_KERNEL_INT 0     /* q4_matmul */
@@ -78,6 +117,29 @@ q4_matmul_fn q4_matmul_avx2;      /* integer products by int8 digits, AVX2 unit 
 q4_matmul_fn q4_matmul_vnni;      /* the same bits by AVX512_VNNI */
 q4_matmul_fn q4_matmul_amx;       /* the same bits by AMX tiles from AMX_MIN_ROWS rows, VNNI below */
 q4_matmul_fn q4_matmul_amx_tiles; /* the same bits by AMX tiles at any batch (for the tests) */
+
+/* One weight matrix, packed: its format (HN_*), the kernel unit that multiplies it, its bytes, q8's scales. */
+typedef struct {
+    int64_t format;
+    int64_t unit;
+    const uint8_t *packed;
+    const float *scale; /* NULL but for the int8 LM head */
+    int64_t out, in;
+} hn_weight_t;
+
+/* y = x @ W^T for W of any packed format, by the kernel its format and unit name (matmul_dispatch.c). */
+int hn_matmul(const hn_weight_t *w, const void *x, int x_bf16, int64_t x_stride, int64_t rows, void *y, int y_bf16,
+              int64_t y_stride, int64_t threads);
+
+/* The K-quant and Q8_0 kernels (matmul_kquants.c): format HN_Q8_0 .. HN_Q6_K, unit Q4_KERNEL_AVX2 or _VNNI
+ * (_AMX: the VNNI unit). -ENOSYS where this build or CPU lacks the unit. */
+int kq_matmul(int64_t format, int64_t unit, const void *x, int x_bf16, int64_t x_stride, int64_t rows,
+              const uint8_t *packed, int64_t out, int64_t in, void *y, int y_bf16, int64_t y_stride, int64_t threads);
+
+/* Rows ids[0 .. n - 1] of a packed K-quant or Q8_0 weight, dequantized to fp32 into y [n, in]: the values
+ * gguf.quants.dequantize gives, bit for bit, in every build (kquant_rows.c). */
+int kq_dequant_rows(int64_t format, const uint8_t *packed, int64_t out, int64_t in, const int64_t *ids, int64_t n,
+                    float *y, int64_t threads);
 
 /* The int8 LM head: codes [quads, in / GROUP, QUAD, GROUP], scale [quads * QUAD] (matmul_q8_head.c). */
 int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const int8_t *packed, const float *scale,

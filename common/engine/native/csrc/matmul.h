@@ -76,6 +76,7 @@ typedef struct {
     int64_t y_stride;
     int y_bf16;
     const int8_t *xd;   /* q4 by int8 digits: [rows, in / 32, 64] */
+    const int32_t *xq_sums; /* the K-quants and Q8_0 by int8 digits: [rows, in / 16], sums of xq */
 } job_t;
 
 /* ------------------------------------------------------------------------------------- conversions */

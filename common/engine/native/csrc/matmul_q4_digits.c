@@ -17,19 +17,15 @@
  * inputs, same tokens) holds across the switch: a row's result does not depend on the batch's size.
  */
 #define _GNU_SOURCE /* syscall(), for arch_prctl (the AMX tile state): -std=c11 alone leaves it undeclared */
-#include "matmul.h"
+#include "matmul_digits.h"
 
 /* The digit kernel's units; DIGITS_AMX is q4_matmul_amx's choice: the vector unit below AMX_MIN_ROWS rows, the
  * tiles from there. */
 typedef enum { DIGITS_AVX2, DIGITS_VNNI, DIGITS_TILES, DIGITS_AMX } digit_unit_t;
-#if defined(MATMUL_AVX2) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define MATMUL_DIGITS 1
+#ifdef MATMUL_DIGITS
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define DIGIT_QUADS (DIGIT_OUTPUTS / QUAD) /* a group's quads */
-#define XD_MAX 32639.0f  /* 127 * 256 + 127: both digits of every |xq| <= XD_MAX fit a signed byte */
-#define XD_BLOCK 64      /* a row's bytes a block: its 32 high digits, then its 32 low ones */
 #define AMX_ROWS 16      /* a tile's rows */
 /* Below this many rows q4_matmul_amx runs the vector kernel: the tiles cost the same up to 16 rows (a tile
  * padded with zero rows), the vector kernel a row's worth more with each row; the 120 matmuls of a SmolLM2
@@ -37,13 +33,6 @@ typedef enum { DIGITS_AVX2, DIGITS_VNNI, DIGITS_TILES, DIGITS_AMX } digit_unit_t
 #define AMX_MIN_ROWS 13
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a dynamically enabled state component */
 #define XFEATURE_XTILEDATA 18
-/* A group's blocks are one stream (with the 4 quads' records apart, as the other kernels read them, a one-row
- * step was slower than the bf16 dot kernel's), its lines asked for PREFETCH_AHEAD bytes ahead into L2
- * (prefetcht1) rather than L1, which a cold one-row pass ran faster with (docs/benchmarks.md,
- * "Figures behind the code": Digit kernels: one stream, prefetched into L2). */
-#define DIGIT_PREFETCH(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 2)
-
-typedef int32_t __attribute__((may_alias, aligned(1))) dword_t; /* four digits, read as one broadcast */
 
 /* Row r's digits: xq (|xq| <= XD_MAX) -> [blocks, hi 32 | lo 32] (lo = xq's low byte, signed; hi = (xq - lo)
  * / 256). AVX2 only: it runs before the CPU's AVX-512 is asked about. */
@@ -61,31 +50,37 @@ static void digits_row(const int16_t *xq, int64_t in, int8_t *xd) {
     }
 }
 
-typedef struct {
-    int8_t *xd; /* [x_rows, blocks, XD_BLOCK]: rows past `rows` zero */
-    float *sx;  /* [x_rows, blocks] scales, then [x_rows, blocks] sums of x (rows past `rows` zero) */
-} digits_t;
-
-/* Row r of x quantized and split into its digits. */
+/* Row r of x quantized and split into its digits (xq: [rows, in], the row's integers), with the sums of its
+ * integers where asked. */
 static void digits_prepare_row(const void *x, int x_bf16, int64_t x_stride, size_t elem, int64_t r, int64_t x_rows,
                                int64_t in, int16_t *xq, digits_t *out) {
     const int64_t blocks = in / GROUP;
-    quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, in, XD_MAX, xq + r * in,
-                 out->sx + r * blocks, out->sx + (x_rows + r) * blocks);
-    digits_row(xq + r * in, in, out->xd + r * in * 2);
+    int16_t *q = xq + r * in;
+    quantize_row((const char *)x + (size_t)(r * x_stride) * elem, x_bf16, in, XD_MAX, q, out->sx + r * blocks,
+                 out->sx + (x_rows + r) * blocks);
+    digits_row(q, in, out->xd + r * in * 2);
+    if (out->xq_sums) {
+        int32_t *sums = out->xq_sums + r * (in / XQ_SUMS);
+        for (int64_t s = 0; s < in / XQ_SUMS; s++) {
+            int32_t t = 0;
+            for (int i = 0; i < XQ_SUMS; i++) t += q[s * XQ_SUMS + i];
+            sums[s] = t;
+        }
+    }
 }
 
-/* x's rows quantized and split (x_rows >= rows: the zero rows a tile pads with). */
-static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t rows, int64_t x_rows, int64_t in,
-                          int64_t threads, digits_t *out) {
+int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t rows, int64_t x_rows, int64_t in,
+                   int64_t threads, int want, digits_t *out) {
     const int64_t blocks = in / GROUP;
     int16_t *xq = malloc((size_t)(rows * in) * sizeof *xq);
     out->xd = calloc((size_t)(x_rows * in * 2), 1);
     out->sx = calloc((size_t)(2 * x_rows * blocks), sizeof *out->sx);
-    if (!xq || !out->xd || !out->sx) {
+    out->xq = want & DIGITS_KEEP_XQ ? xq : NULL;
+    out->xq_sums = want & DIGITS_XQ_SUMS ? malloc((size_t)(rows * (in / XQ_SUMS)) * sizeof *out->xq_sums) : NULL;
+    if (!xq || !out->xd || !out->sx || (want & DIGITS_XQ_SUMS && !out->xq_sums)) {
         free(xq);
-        free(out->xd);
-        free(out->sx);
+        out->xq = NULL;
+        digits_free(out);
         return -ENOMEM;
     }
     const size_t elem = x_bf16 ? 2 : 4;
@@ -97,8 +92,16 @@ static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t r
          * "Figures behind the code": Digit preparation without an OpenMP region) */
         for (int64_t r = 0; r < rows; r++) digits_prepare_row(x, x_bf16, x_stride, elem, r, x_rows, in, xq, out);
     }
-    free(xq);
+    if (!out->xq) free(xq);
     return 0;
+}
+
+void digits_free(digits_t *d) {
+    free(d->xd);
+    free(d->sx);
+    free(d->xq);
+    free(d->xq_sums);
+    d->xd = NULL, d->sx = NULL, d->xq = NULL, d->xq_sums = NULL;
 }
 
 /* The AVX2 unit (any CPU this build runs on): the same exact sums by vpmaddubsw, whose pairs (codes 0-15
@@ -110,41 +113,6 @@ static int digits_prepare(const void *x, int x_bf16, int64_t x_stride, int64_t r
  * the memory alike: the weights in cache ran faster, and half the byte products (8-bit activations, not kept)
  * made the step from memory no faster (docs/benchmarks.md, "Figures behind the code": Digit kernels' AVX2
  * unit: a block's halves share the broadcasts). */
-static inline void digit_store_avx2(const job_t *j, int64_t row, int64_t o, __m256 acc, __m256 accm) {
-    const __m256 v = _mm256_add_ps(acc, accm);
-    const int64_t real = j->w.out - o;
-    if (real <= 0) return;
-    if (!j->y_bf16) {
-        float *y = (float *)j->y + row * j->y_stride + o;
-        if (real >= 8) {
-            _mm256_storeu_ps(y, v);
-        } else {
-            float t[8];
-            _mm256_storeu_ps(t, v);
-            memcpy(y, t, (size_t)real * sizeof *t);
-        }
-        return;
-    }
-    /* f32_to_bf16's rounding and NaN, 8 at once (digit_store's, lane for lane) */
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                                              _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i b = _mm256_blendv_epi8(rounded, quiet, nan);
-    /* 8 dwords < 2^16 -> 8 words: packus within 128-bit lanes, then the lanes' low halves together */
-    const __m128i w = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
-    uint16_t *y = (uint16_t *)j->y + row * j->y_stride + o;
-    if (real >= 8) {
-        _mm_storeu_si128((__m128i *)y, w);
-    } else {
-        uint16_t t[8];
-        _mm_storeu_si128((__m128i *)t, w);
-        memcpy(y, t, (size_t)real * sizeof *t);
-    }
-}
-
 #define DEFINE_TILE_AVX2(RT)                                                                           \
 static void tile_avx2_##RT(const job_t *j, int64_t r0, int64_t g) {                                    \
     const int64_t blocks = j->w.in / GROUP;                                                            \
@@ -213,8 +181,8 @@ static int groups_##UNIT(const job_t *j, int64_t g_begin, int64_t g_end) {      
 }
 DEFINE_DIGIT_GROUPS(avx2)
 
-/* AVX512_VNNI (with F and BW) and the AVX-512 state enabled by the OS, asked of this CPU once. */
-static int cpu_has_vnni(void) {
+
+int cpu_has_vnni(void) {
     static int has = -1;
     if (has < 0) {
         __builtin_cpu_init();
@@ -263,24 +231,6 @@ static inline __attribute__((always_inline)) void digit_scale(__m512i s, __m512 
     *accm = _mm512_fmadd_ps(m, _mm512_set1_ps(sumx), *accm);
 }
 
-/* Row `row`'s 16 outputs of a group, y = acc + accm, in y's dtype (f32_to_bf16's rounding and NaN, 16 at once). */
-static inline __attribute__((always_inline)) void digit_store(const job_t *j, int64_t row, int64_t q0, __m512 acc,
-                                                              __m512 accm) {
-    const __m512 v = _mm512_add_ps(acc, accm);
-    const int64_t o = q0 * QUAD, real = j->w.out - o;
-    const __mmask16 keep = real >= DIGIT_OUTPUTS ? (__mmask16)0xffff : (__mmask16)((1u << real) - 1);
-    if (!j->y_bf16) {
-        _mm512_mask_storeu_ps((float *)j->y + row * j->y_stride + o, keep, v);
-        return;
-    }
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                                              _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i b = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_mask_storeu_epi16((uint16_t *)j->y + row * j->y_stride + o, keep, _mm512_cvtepi32_epi16(b));
-}
 
 #define DEFINE_TILE_VNNI(RT)                                                                           \
 static void tile_vnni_##RT(const job_t *j, int64_t r0, int64_t g) {                                    \
@@ -426,14 +376,13 @@ static int matmul_digits(digit_unit_t unit, const void *x, int x_bf16, int64_t x
     const int64_t blocks = in / GROUP, tiles = unit == DIGITS_TILES;
     const int64_t x_rows = tiles ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
     digits_t dg;
-    const int err0 = digits_prepare(x, x_bf16, x_stride, rows, x_rows, in, threads, &dg);
+    const int err0 = digits_prepare(x, x_bf16, x_stride, rows, x_rows, in, threads, 0, &dg);
     if (err0) return err0;
     const job_t j = {.w = {tiles ? FORMAT_Q4_AMX : FORMAT_Q4_VNNI, packed, NULL, out, in}, .sx = dg.sx,
                      .sumx = dg.sx + x_rows * blocks, .rows = rows, .y = y, .y_stride = y_stride, .y_bf16 = y_bf16,
                      .xd = dg.xd};
     const int err = run_groups(tiles ? groups_amx : unit == DIGITS_VNNI ? groups_vnni : groups_avx2, &j, threads);
-    free(dg.xd);
-    free(dg.sx);
+    digits_free(&dg);
     return err;
 }
 #endif
