@@ -47,9 +47,11 @@ class Proc:
 
 class ProcCluster:
     def __init__(self, tmp_dir: Path, *, num_prefill: int = 1, num_decode: int = 2, kv_memory_gib: float = 0.05,
-                 env: dict | None = None, proc_env: dict[str, dict] | None = None):
-        """env: every process's extra environment; proc_env: one process's (by name, e.g. "decode-0")."""
+                 env: dict | None = None, proc_env: dict[str, dict] | None = None, model: str | None = None):
+        """env: every process's extra environment; proc_env: one process's (by name, e.g. "decode-0");
+        model: what every service serves (the default model if None)."""
         self.tmp_dir = Path(tmp_dir)
+        self.model = model
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.kv_memory_gib = kv_memory_gib
         self.env = env or {}
@@ -74,7 +76,7 @@ class ProcCluster:
     def add(self, role: str, name: str) -> Proc:
         port = free_port()
         common = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", self.redis.url,
-                  "--metrics-port", "0", "--log-level", "WARNING"]
+                  "--metrics-port", "0", "--log-level", "WARNING", *(["--model", self.model] if self.model else [])]
         if role == "router":
             # HTTP on a free port: the default 8000 may be taken by another test session on this host.
             args = ["-m", "router", *common, "--lease-ttl-s", str(LEASE_TTL_S), "--http-port", "0"]

@@ -23,7 +23,7 @@ from common.engine.native.packing import QUANT_FORMATS, pack_q4, pack_quant, qua
 from common.engine.pages import WeightArena
 from common.engine.quant_linear import QuantLinear
 from common.engine.weights import QuantRows
-from tests.conftest import native_kernels, other_build
+from tests.support.native import native_kernels, other_build
 
 QTYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 XD_MAX = 32639.0  # the int8 digit kernels' activation integers: 127 * 256 + 127

@@ -1,0 +1,23 @@
+"""kill -9 of a decode worker mid-stream, once per model family, in the file type people download
+(Q4_K_M) and the default dtype: every stream, greedy and seeded, completes with the fault-free tokens
+on the other decode worker, and nothing is left held (invariants 1, 2 and 4: one terminal state, every
+KV block freed, same inputs, same tokens). One prefill worker, two decode workers, real processes."""
+from __future__ import annotations
+
+import pytest
+
+from tests.support.faults import fault_free, kill_mid_stream
+from tests.support.proc_cluster import ProcCluster
+from tests.support.zoo import ARCHS, family_files
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kill_a_decode_worker_mid_stream(arch, tmp_path):
+    model = family_files(arch)["Q4_K_M"]
+    procs = ProcCluster(tmp_path, num_prefill=1, num_decode=2, model=str(model)).start()
+    try:
+        kill_mid_stream(procs, fault_free(procs), "decode-0", f"{arch} Q4_K_M, 1 prefill + 2 decode")
+    finally:
+        procs.stop()
