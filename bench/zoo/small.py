@@ -66,7 +66,7 @@ def arch_key(arch: str) -> tuple[str, dict]:
 
 
 def build(arch: str) -> ArchFiles:
-    """arch's files, built on first use (a few seconds to a minute); the folder of an earlier build after."""
+    """arch's files: built on first use, the folder of an earlier build after."""
     if arch not in SPECS:
         raise KeyError(f"unknown arch {arch!r}; one of {ARCHS}")
     key, payload = arch_key(arch)
