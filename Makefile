@@ -64,14 +64,15 @@ bench-peers: $(STAMP)
 	$(PY) -m pip uninstall -q -y llama-cpp-python
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir $(LLAMA_CPP_PYTHON)
 
-# llama.cpp's source (the sdist above, downloaded by pip) and its llama-quantize, compiled once (portable
-# x86-64, static) into $$HANDOFF_LLAMA_CPP_DIR or ~/.cache/handoff/llama.cpp, outside the repository: the model
-# zoo's tools (bench/llama_tools.py). `make test` does not build them; the tests that need them skip and say so.
+# llama.cpp's source (from the llama-cpp-python sdist, the version above, downloaded by pip) and its
+# llama-quantize, compiled once (portable x86-64, static) into $HANDOFF_LLAMA_CPP_DIR or
+# ~/.cache/handoff/llama.cpp, outside the repository: the model zoo's tools (bench/llama_tools.py).
+# `make test` does not build them; the tests that need them skip and say so.
 llama-tools: $(STAMP)
 	$(PY) -m bench.llama_tools
 
 # The model zoo's small architectures (bench/zoo): an HF folder per model family and the GGUFs llama.cpp's
-# tools make of it, cached in $$HANDOFF_ZOO_DIR or ~/.cache/handoff/zoo; what tests/engine/test_family_*.py
+# tools make of it, cached in $HANDOFF_ZOO_DIR or ~/.cache/handoff/zoo; what tests/engine/test_family_*.py
 # read (they build what is missing themselves when the tools are there). The benchmark shapes (random-weight
 # Llama 3.2 1B, Qwen 2.5 3B, Llama 3.1 8B GGUFs) are built on first use by what asks for them, not here:
 # `python -m bench.zoo --big SHAPE --qtypes Q4_K_M,Q8_0`.
