@@ -1,6 +1,7 @@
 # The project's stable interface: `make run`, `make test`, `make bench`.
 # `make bench-peers` adds llama.cpp, the engine benchmark's second peer (a long compile).
 # `make gpu-check` checks the CUDA path on a machine with a GPU (under 10 minutes; without one it says so).
+# `make llama-tools` builds llama.cpp's converter and quantizer, `make zoo` the model files made with them.
 # Each target creates (or reuses) the virtual environment in .venv first.
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +25,7 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS += '-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)'
 endif
 
-.PHONY: run test bench bench-load bench-peers gpu-check protos clean venv
+.PHONY: run test bench bench-load bench-peers gpu-check llama-tools zoo protos clean venv
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,6 +69,21 @@ gpu-check: protos
 bench-peers: $(STAMP)
 	$(PY) -m pip uninstall -q -y llama-cpp-python
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir $(LLAMA_CPP_PYTHON)
+
+# llama.cpp's source (from the llama-cpp-python sdist, the version above, downloaded by pip) and its
+# llama-quantize, compiled once (portable x86-64, static) into $HANDOFF_LLAMA_CPP_DIR or
+# ~/.cache/handoff/llama.cpp, outside the repository: the model zoo's tools (bench/llama_tools.py).
+# `make test` does not build them; the tests that need them skip and say so.
+llama-tools: $(STAMP)
+	$(PY) -m bench.llama_tools
+
+# The model zoo's small architectures (bench/zoo): an HF folder per model family and the GGUFs llama.cpp's
+# tools make of it, cached in $HANDOFF_ZOO_DIR or ~/.cache/handoff/zoo; what tests/engine/test_family_*.py
+# read (they build what is missing themselves when the tools are there). The benchmark shapes (random-weight
+# Llama 3.2 1B, Qwen 2.5 3B, Llama 3.1 8B GGUFs) are built on first use by what asks for them, not here:
+# `python -m bench.zoo --big SHAPE --qtypes Q4_K_M,Q8_0`.
+zoo: llama-tools
+	$(PY) -m bench.zoo --build
 
 clean:
 	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2*.pyi

@@ -8,18 +8,18 @@ there. Without it the tests that need it skip.
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import pytest
 
+from bench import llama_tools
 from common.engine.tokenizer import Tokenizer, load_tokenizer
 
 _SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
 def source_dir() -> Path:
-    root = Path(os.environ.get("HANDOFF_LLAMA_CPP_DIR", "~/.cache/handoff/llama.cpp")).expanduser() / "src"
+    root = llama_tools.source_dir()
     if not (root / "models").is_dir():
         pytest.skip("llama.cpp's source is not here: run `make llama-tools`")
     return root
