@@ -13,7 +13,7 @@ import torch
 
 from bench import engine, llamacpp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_CPP_MISSING = llamacpp.missing_reason()
 
 

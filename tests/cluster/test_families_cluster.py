@@ -22,7 +22,8 @@ from protos import handoff_pb2, handoff_pb2_grpc
 from router.cluster import Cluster
 from tests.support.cluster import wait_idle
 from tests.support.engine import Sinks, run_until_done
-from tests.support.zoo import ARCHS, family_files, hf_reading_the_gguf
+from bench.zoo import ARCHS
+from tests.support.zoo import family_files, hf_reading_the_gguf  # noqa: F401 (a fixture)
 
 PROMPT = "Tell me a long story about a fox who learns to sail across the northern sea"
 MAX_TOKENS = 24
@@ -42,7 +43,7 @@ def generate_many(cluster, requests: list[dict]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def family_cluster(request):
+def family_cluster(request, family_files):  # noqa: F811
     model = family_files(request.param)["Q4_K_M"]
     c = Cluster(model=str(model), num_prefill=1, num_decode=1, kv_memory_gib=0.1, threads=1).start()
     yield request.param, c
@@ -86,7 +87,7 @@ def _equal_until_a_near_tie(ours: list[int], hf_logits: torch.Tensor, hf_ids: li
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fp32_greedy_through_the_cluster_is_hf(arch):
+def test_fp32_greedy_through_the_cluster_is_hf(arch, family_files):  # noqa: F811
     files = family_files(arch)
     c = Cluster(model=str(files["F32"]), num_prefill=1, num_decode=1, kv_memory_gib=0.1, threads=1,
                 dtype="fp32", worker=WorkerConfig(role="prefill")).start()
@@ -95,7 +96,7 @@ def test_fp32_greedy_through_the_cluster_is_hf(arch):
         prompt_ids = c.decode[0].tokenizer.encode(PROMPT)
     finally:
         c.stop()
-    hf = hf_reading_the_gguf(arch)
+    hf = hf_reading_the_gguf(files)
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=[], pad_token_id=0,
                               output_scores=True, return_dict_in_generate=True)

@@ -25,18 +25,9 @@ from bench.zoo.specs import ARCHS, QTYPES, SPECS
 from common.engine.gguf_file import GGUFFile
 from common.engine.weights import load_weights
 from tests.support.checkpoints import llama_cpp_permute, our_logits
-from tests.support.zoo import family_files  # noqa: F401 (a fixture)
+from tests.support.zoo import GGUF_READS_AS, family_files  # noqa: F401 (a fixture)
 
 NUM_DECODE = 4
-# What a GGUF cannot say, so what llama.cpp, and our loader with it, takes the model to be: HF config overrides
-# that make HF that model.
-GGUF_READS_AS = {
-    # The 'llama' architecture has no sliding window: the converter drops Mistral's.
-    "mistral": {"sliding_window": None},
-    # query_pre_attn_scalar is never written: llama.cpp scales scores by 1/sqrt(head_dim) (here 128, not 64)
-    # unless the model has the 27B's 46 layers.
-    "gemma2": {"query_pre_attn_scalar": 128},
-}
 # Where the divergence the overrides make starts: Mistral's window (32) first leaves a key out at position
 # 32; a score's scale cannot change the softmax over position 0's one key.
 GGUF_SAME_UNTIL = {"mistral": 32, "gemma2": 1}

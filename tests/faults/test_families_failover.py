@@ -8,13 +8,14 @@ import pytest
 
 from tests.support.faults import fault_free, kill_mid_stream
 from tests.support.proc_cluster import ProcCluster
-from tests.support.zoo import ARCHS, family_files
+from bench.zoo import ARCHS
+from tests.support.zoo import family_files  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.faults
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_kill_a_decode_worker_mid_stream(arch, tmp_path):
+def test_kill_a_decode_worker_mid_stream(arch, tmp_path, family_files):  # noqa: F811
     model = family_files(arch)["Q4_K_M"]
     procs = ProcCluster(tmp_path, num_prefill=1, num_decode=2, model=str(model)).start()
     try:

@@ -24,7 +24,7 @@ from router import status
 from router.cluster import Cluster
 from router.config import RouterConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

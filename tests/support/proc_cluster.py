@@ -19,7 +19,7 @@ from common.ports import free_port
 from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LEASE_TTL_S = 4.0  # the router's: a dead router's records must be terminal within it
 
 

@@ -33,3 +33,21 @@ def family_files():
         return built[arch]
 
     return get
+
+
+# What a GGUF cannot say, so what llama.cpp, and our loader with it, takes the model to be: HF config overrides
+# that make HF that model.
+GGUF_READS_AS = {
+    # The 'llama' architecture has no sliding window: the converter drops Mistral's.
+    "mistral": {"sliding_window": None},
+    # query_pre_attn_scalar is never written: llama.cpp scales scores by 1/sqrt(head_dim) (here 128, not 64)
+    # unless the model has the 27B's 46 layers.
+    "gemma2": {"query_pre_attn_scalar": 128},
+}
+
+
+def hf_reading_the_gguf(files):
+    """HF transformers (fp32, eager) on an architecture's HF folder, as its GGUF files are read (GGUF_READS_AS)."""
+    from bench import zoo
+
+    return zoo.hf_model(files.hf_dir, **GGUF_READS_AS.get(files.arch, {}))

@@ -27,7 +27,7 @@ from decode_svc.worker import DecodeWorker
 from protos import internal_pb2, internal_pb2_grpc
 from router.cluster import Cluster
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 504, 3458, 282, 253, 2415, 314, 253, 12149]  # any token ids will do
 LONG = (PROMPT * 90)[:3 * 256 + 21]  # four prefill chunks of the default 256 tokens: a streamed push
 
