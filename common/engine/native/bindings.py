@@ -1,5 +1,6 @@
-"""The shared library's functions, called on torch tensors' memory: their ctypes signatures (as
-csrc/handoff_native.h declares them) and DecodeKernels, one loaded library."""
+"""The shared library's functions, called on torch tensors' memory: their ctypes signatures and the mirrors of
+its structs (the layer stack's descriptors), as csrc/handoff_native.h declares them, and DecodeKernels, one
+loaded library."""
 from __future__ import annotations
 
 import ctypes
