@@ -34,9 +34,9 @@ int NAME(float *h, int64_t rows, int64_t num_layers, const hn_layer_t *layers, c
     const int64_t ffn = m->ffn, qkv_width = (heads + 2 * kv_heads) * head_dim, q_width = heads * head_dim; \
     const int64_t widest = 2 * ffn > qkv_width ? 2 * ffn : qkv_width;                                  \
     const float eps = m->eps;                                                                          \
+    if (m->activation != HN_ACT_SILU && m->activation != HN_ACT_GELU_TANH) return -EINVAL;             \
     int (*const act_mul)(const T *, int64_t, int64_t, T *, int64_t) =                                  \
         m->activation == HN_ACT_GELU_TANH ? GELU_TANH_MUL : SILU_MUL;                                  \
-    if (m->activation != HN_ACT_SILU && m->activation != HN_ACT_GELU_TANH) return -EINVAL;             \
     for (int64_t i = 0; i < num_layers; i++) {                                                         \
         const hn_layer_t *l = layers + i;                                                              \
         if (!shaped(&l->wqkv, qkv_width, hidden) || !shaped(&l->wo, hidden, q_width)                   \
