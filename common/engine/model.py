@@ -1,4 +1,5 @@
-"""A Llama-family decoder in plain PyTorch, reading and writing K/V through the paged cache.
+"""The decoder of every family (families.py) in plain PyTorch, reading and writing K/V through the paged cache;
+decode through the native kernels (common/engine/native) where they build.
 
 The forward takes flattened tokens of many sequences, `(input_ids, positions)`,
 plus one small `AttnContext` that says how they group into sequences; prefill and
@@ -6,6 +7,7 @@ decode are two entry points of the same weights.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from common.engine import native, pages
 from common.engine.config import ModelConfig
-from common.engine.native.bindings import DecodeKernels, layer_pointers
+from common.engine.native.bindings import ACTIVATIONS, DecodeKernels, HnLayer, HnModel, hn_layer
 from common.engine.native.choice import MATMUL_MODES, Q4_INDEX, Q4_LAYOUT, matmuls_mode, runnable_mode
 from common.engine.native.header import DEFINES
 from common.engine.native.packing import pack_q4, pack_q8
@@ -86,14 +88,6 @@ def dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.linear(block, weight) for block in x.split(DENSE_ROW_BLOCK)])[:n]
 
 
-def native_covers(c: ModelConfig) -> bool:
-    """Whether the native decode ops (common/engine/native) compute this model's layer: a plain Llama
-    layer, any rotary tables. Other families decode through the torch ops."""
-    arch = c.arch
-    return not (c.qkv_bias or arch.qk_norm or arch.post_norms or arch.mlp_act != "silu" or c.has_windows
-                or c.attn_softcap is not None)
-
-
 class Int8Linear:
     """A weight as int8 codes with one scale per output row: the decode LM head, half a 16-bit head's bytes.
 
@@ -161,7 +155,7 @@ class Int4Linear:
         self.group = parts[0].GROUP
         self.kernels = kernels
         self.kernel = kernel  # one of native.choice.Q4_KERNELS, with kernels
-        self.out_features = codes.shape[0]
+        self.out_features, self.in_features = codes.shape
         if kernels is not None:
             # the file's codes and fp16 scales, exactly, in the kernel's order
             self.packed = pack_q4(codes, scales, mins, arena, Q4_LAYOUT[kernel])
@@ -175,14 +169,12 @@ class Int4Linear:
             0, 1).contiguous().to(device=device, dtype=torch.bfloat16)
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
-    def descriptor(self) -> tuple:
-        """(format, unit, packed, scale, out, in) for an hn_weight_t (layers.c): HN_Q4, the Q4 kernel's
-        Q4_KERNEL_* number, the packed blocks, no scale. Only with the native kernels (torch's int4 packing
-        is not the library's)."""
+    def descriptor(self) -> tuple | None:
+        """(format, unit, packed tensor, scale tensor or None, out, in): the weight as the native layer stack's
+        hn_matmul takes it (handoff_native.h's hn_weight_t); None where it is packed for torch's kernel."""
         if self.kernels is None:
-            raise ValueError("Int4Linear.descriptor: packed for torch's int4 kernel, not the native library's")
-        in_features = self.packed.shape[1] * self.group
-        return DEFINES["HN_Q4"], Q4_INDEX[self.kernel], self.packed, None, self.out_features, in_features
+            return None
+        return DEFINES["HN_Q4"], Q4_INDEX[self.kernel], self.packed, None, self.out_features, self.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -222,11 +214,11 @@ class Llama(torch.nn.Module):
             return tensors[name].to(device=device, dtype=torch.float32).contiguous()
 
         # Decode's native kernels (common/engine/native: attention over the paged cache in place, the
-        # row-wise ops fused, the packed-weight matmuls), where they build and suit the dtype and shape;
-        # else decode runs torch ops.
+        # row-wise ops fused, the packed-weight matmuls; every family's layer), where they build and suit the
+        # dtype and shape; else decode runs torch ops.
         kernels = native.kernel() if self.device.type == "cpu" else None
         self.kernels = kernels if kernels is not None and kernels.supports(
-            dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) and native_covers(c) else None
+            dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) else None
 
         mode = {True: "int", False: "torch"}.get(native_matmuls, native_matmuls)
         if mode is None:
@@ -295,16 +287,34 @@ class Llama(torch.nn.Module):
             self.cos_local, self.sin_local = cos.to(dtype), sin.to(dtype)
         # Gemma: embeddings times sqrt(hidden), HF's normalizer in fp32 (the residual stream's dtype here).
         self.embed_scale = float(torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32)) if arch.embed_scaled else None
-        # The whole int4 layer stack in one native call (native/csrc/layers.c), where every layer has its
-        # packed weights: pointers into tensors the layers hold.
+        # The whole packed layer stack in one native call (native/csrc/layers.c), where every matrix of every
+        # layer is packed for the native kernels: one descriptor a layer, pointing into tensors the layers hold.
+        self.native_model = HnModel(c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size,
+                                    ACTIVATIONS[arch.mlp_act], c.rms_norm_eps, c.scale, c.attn_softcap or 0.0)
         self.native_layers = None
-        if self.kernels is not None and all(layer[n] is not None and layer[n].kernels is not None
-                                            for layer in self.layers for n in ("wqkv4", "wo4", "w134", "w24")):
-            self.native_layers = layer_pointers([
-                (layer["attn_norm"], layer["wqkv4"].packed, layer["wo4"].packed, layer["mlp_norm"],
-                 layer["w134"].packed, layer["w24"].packed) for layer in self.layers])
+        if self.kernels is not None:
+            self.native_layers = self._layer_descriptors()
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+
+    def _rope_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s cos/sin tables: a sliding-window layer's own where they differ (Gemma 3)."""
+        return (self.cos_local, self.sin_local) if self.config.window(layer) else (self.cos, self.sin)
+
+    def _layer_descriptors(self) -> ctypes.Array | None:
+        """Every layer as layers.c's hn_layer_t, or None where some matrix is not packed for the native kernels."""
+        packed = [[None if layer[n] is None else layer[n].descriptor() for n in ("wqkv4", "wo4", "w134", "w24")]
+                  for layer in self.layers]
+        if not all(d is not None for matrices in packed for d in matrices):
+            return None
+        descriptors = []
+        for i, (layer, matrices) in enumerate(zip(self.layers, packed)):
+            cos, sin = self._rope_tables(i)
+            descriptors.append(hn_layer(*matrices, attn_norm=layer["attn_norm"], mlp_norm=layer["mlp_norm"], cos=cos,
+                                        sin=sin, window=self.config.window(i), attn_post_norm=layer["attn_post_norm"],
+                                        mlp_post_norm=layer["mlp_post_norm"], bqkv=layer["bqkv"],
+                                        q_norm=layer["q_norm"], k_norm=layer["k_norm"]))
+        return (HnLayer * len(descriptors))(*descriptors)
 
     @property
     def lm_head_exact(self) -> torch.Tensor:
@@ -366,9 +376,8 @@ class Llama(torch.nn.Module):
             h.mul_(self.embed_scale)
         if native_ops is not None and ctx.use_int4 and self.native_layers is not None:
             # The same layers in one native call (the per-op path below, on the same kernels, bit for bit).
-            native_ops.decode_layers(h, self.native_layers, kv, self.cos, self.sin, positions, ctx.slot_mapping,
-                                     ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size, c.num_heads,
-                                     c.head_dim, c.intermediate_size, c.rms_norm_eps, self.matmuls)
+            native_ops.decode_layers(h, self.native_layers, self.native_model, kv, positions, ctx.slot_mapping,
+                                     ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size)
             # The final norm natively too (torch's right after the native call took ~100 us a step).
             return native_ops.add_rms_norm(h, None, self.final_norm, c.rms_norm_eps, torch.float32)
         delta = None  # the last sublayer's output, not yet added to h
@@ -377,20 +386,22 @@ class Llama(torch.nn.Module):
             window = c.window(i)
             x = self._add_norm(h, delta, layer["attn_norm"], native_ops)
             qkv = self._linear(x, layer, "wqkv", ctx)  # [N, (H + 2 Hkv) * D]
-            if layer["bqkv"] is not None:
-                qkv.add_(layer["bqkv"])
-            if layer["q_norm"] is not None:
-                qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
-                qk[:, :c.num_heads] = self._rms_norm(qk[:, :c.num_heads], layer["q_norm"])
-                qk[:, c.num_heads:] = self._rms_norm(qk[:, c.num_heads:], layer["k_norm"])
             q = qkv[:, :self.q_size].view(n, c.num_heads, c.head_dim)
+            cos_table, sin_table = self._rope_tables(i)
             if native_ops is not None:
-                native_ops.rope_kv_write(qkv, self.cos, self.sin, positions, c.num_heads, c.num_kv_heads,
-                                         c.head_dim, layer_kv, ctx.slot_mapping)
+                # bias, q/k norms, rotary and the K/V write in one pass over the rows
+                native_ops.rope_kv_write(qkv, cos_table, sin_table, positions, c.num_heads, c.num_kv_heads,
+                                         c.head_dim, layer_kv, ctx.slot_mapping, layer["bqkv"], layer["q_norm"],
+                                         layer["k_norm"], c.rms_norm_eps)
                 o = native_ops.attention(q, layer_kv, ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size,
-                                         c.scale)
+                                         c.scale, window, c.attn_softcap)
             else:
-                cos_table, sin_table = (self.cos_local, self.sin_local) if window else (self.cos, self.sin)
+                if layer["bqkv"] is not None:
+                    qkv.add_(layer["bqkv"])
+                if layer["q_norm"] is not None:
+                    qk = qkv[:, :self.q_size + self.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+                    qk[:, :c.num_heads] = self._rms_norm(qk[:, :c.num_heads], layer["q_norm"])
+                    qk[:, c.num_heads:] = self._rms_norm(qk[:, c.num_heads:], layer["k_norm"])
                 cos = cos_table.index_select(0, positions).unsqueeze(1)  # [N, 1, D]
                 sin = sin_table.index_select(0, positions).unsqueeze(1)
                 # Rotate q and k together, in place, so K and V sit side by side for one cache write.
@@ -406,17 +417,17 @@ class Llama(torch.nn.Module):
                     o = self._decode_attention(q, layer_kv, ctx, positions, window)
             o = self._linear(o.reshape(n, self.q_size), layer, "wo", ctx)
             if layer["attn_post_norm"] is not None:
-                o = self._rms_norm(o.float(), layer["attn_post_norm"])
+                o = self._post_norm(o, layer["attn_post_norm"], native_ops)
             x = self._add_norm(h, o, layer["mlp_norm"], native_ops)
             gate_up = self._linear(x, layer, "w13", ctx)
             if native_ops is not None:
-                act = native_ops.silu_mul(gate_up)
+                act = native_ops.act_mul(gate_up, c.arch.mlp_act)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = (F.gelu(gate, approximate="tanh") if c.arch.mlp_act == "gelu_tanh" else F.silu(gate)) * up
             delta = self._linear(act, layer, "w2", ctx)
             if layer["mlp_post_norm"] is not None:
-                delta = self._rms_norm(delta.float(), layer["mlp_post_norm"])
+                delta = self._post_norm(delta, layer["mlp_post_norm"], native_ops)
         h.add_(delta)
         # Kept in fp32: logits() refines the top candidates in full precision.
         if native_ops is not None:  # as the one-call path ends
@@ -431,6 +442,12 @@ class Llama(torch.nn.Module):
         if delta is not None:
             h.add_(delta)
         return self._rms_norm(h, weight_fp32)
+
+    def _post_norm(self, x: torch.Tensor, weight_fp32: torch.Tensor, native_ops: DecodeKernels | None) -> torch.Tensor:
+        """RMSNorm of a sublayer's output [N, dim] (model dtype) before the residual add, in the model's dtype."""
+        if native_ops is not None:
+            return native_ops.rms_norm(x, weight_fp32, self.config.rms_norm_eps)
+        return self._rms_norm(x.float(), weight_fp32)
 
     def _scores_attention(self, q, k, v, mask) -> torch.Tensor:
         """softmax(softcap(q k^T * scale), masked) v for q [1, H, T, D] and k, v [1, Hkv, S, D], in fp32: the

@@ -1,7 +1,8 @@
-"""Decode's native kernels: one C library (csrc/) for a decode step's attention over the paged cache, the
-row-wise ops around the matmuls (residual add + RMSNorm, rotary + K/V write, SiLU * up), the weight
-matmuls on the model file's packed 4-bit blocks and the int8 LM head, the whole layer stack in one call,
-and the logits after the head (top-k refinement, argmax).
+"""Decode's native kernels: one C library (csrc/) for a decode step's attention over the paged cache (sliding
+windows and soft-capped scores included), the row-wise ops around the matmuls (residual add + RMSNorm, a
+sublayer's post norm, q/k/v bias + q/k norms + rotary + K/V write, SiLU or tanh-GELU * up), the weight
+matmuls on the model file's packed 4-bit blocks and the int8 LM head, the whole layer stack of any family in
+one call, and the logits after the head (top-k refinement, argmax).
 
 Built on first use with the system's C compiler (`cc`, or $CC) for this CPU (-march=native), every
 csrc/*.c into one shared object, kept in a cache folder keyed by the sources, the flags and the CPU's

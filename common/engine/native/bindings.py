@@ -1,5 +1,6 @@
-"""The shared library's functions, called on torch tensors' memory: their ctypes signatures (as
-csrc/handoff_native.h declares them) and DecodeKernels, one loaded library."""
+"""The shared library's functions, called on torch tensors' memory: their ctypes signatures and the mirrors of
+its structs (the layer stack's descriptors), as csrc/handoff_native.h declares them, and DecodeKernels, one
+loaded library."""
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +16,6 @@ from common.engine.native.packing import GROUP, QUANT_FORMATS, q4_shape, quant_b
 LANES = DEFINES["LANES"]  # attention's and add_rms_norm's sums: head_dim and hidden multiples of it
 MAX_HEADS_PER_KV, MAX_HEADS, MAX_HEAD_DIM = DEFINES["MAX_HEADS_PER_KV"], DEFINES["MAX_HEADS"], DEFINES["MAX_HEAD_DIM"]
 REFINE_LANES = DEFINES["REFINE_LANES"]  # refine_top's dim: a multiple of it
-LAYER_POINTERS = DEFINES["LAYER_POINTERS"]  # decode_layers' weights a layer
 # Below this much work ((row, query head) items times the longest context) one thread does it all. The split
 # runs on torch's OpenMP team, whose threads are already awake, so it pays early: at 2 and 32 rows, and for
 # one row of a short chat context too (docs/benchmarks.md, "Figures behind the code": Attention's thread split
@@ -24,16 +24,20 @@ SPLIT_MIN_WORK = 256
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # function (one per dtype suffix) -> argument types
-    "decode_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P, _I, _I],  # ..., out, rows, threads
+    # q, its row stride, kv, tables, their stride, lens, block, heads, kv heads, dim, scale, window, soft-cap,
+    # out, rows, threads
+    "decode_attention": [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _I, _F, _P, _I, _I],
     "add_rms_norm": [_P, _P, _P, _I, _I, _F, _P],
-    "rope_kv_write": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P],
+    "rms_norm": [_P, _P, _I, _I, _F, _P],
+    # qkv, bias, q norm, k norm, eps, cos, sin, positions, rows, heads, kv heads, dim, kv, slots
+    "rope_kv_write": [_P, _P, _P, _P, _F, _P, _P, _P, _I, _I, _I, _I, _P, _P],
     "silu_mul": [_P, _I, _I, _P, _I],
-    # h, rows, layers, the layers' weight pointers, kv, layer stride, cos, sin, positions, slots, block
-    # tables, their stride, lens, block, heads, kv heads, head dim, hidden, ffn, eps, attention scale,
-    # threads, attention threads, the q4 kernel (Q4_INDEX)
-    "decode_layers": [_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _F, _I, _I,
-                      _I],
+    "gelu_tanh_mul": [_P, _I, _I, _P, _I],
+    # h, rows, layers, their hn_layer_t array, the hn_model_t, kv, layer stride, positions, slots, block tables,
+    # their stride, lens, block, threads, attention threads
+    "decode_layers": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I],
 }
+ACT_MUL = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}  # a family's mlp_act -> its kernel
 SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # The matmuls: x, x is bf16, x's row stride, rows, the packed weight (+ q8's scales), out, in, y, y is bf16,
 # y's row stride, threads
@@ -52,25 +56,71 @@ QUANT_ARGS = {"kq_matmul": [_I, _I, _P, ctypes.c_int, _I, _I, _P, _I, _I, _P, ct
 QUANT_UNITS = ("avx2", "vnni", "amx")
 
 
-class HnWeight(ctypes.Structure):
-    """hn_weight_t: one packed matrix for hn_matmul (and the layer stack): its format (HN_*), the kernel unit
-    (a Q4_KERNEL_*), its bytes, the int8 head's scales (else None), its sizes."""
+class _Struct(ctypes.Structure):
+    """A ctypes mirror of one of handoff_native.h's structs; two are equal when their bytes are."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and bytes(self) == bytes(other)
+
+    __hash__ = None
+
+
+class HnWeight(_Struct):
+    """hn_weight_t: one packed matrix, as hn_matmul takes it: its format (HN_*), the kernel unit (a
+    Q4_KERNEL_*), its bytes, the int8 head's scales (else None), its sizes."""
+
     _fields_ = [("format", _I), ("unit", _I), ("packed", _P), ("scale", _P), ("out", _I), ("in_", _I)]
 
     @classmethod
     def of(cls, descriptor: tuple) -> HnWeight:
-        """From a packed linear's descriptor(): (format, unit, packed, scale or None, out, in); keep the
-        tensors alive while the struct is used."""
-        fmt, unit, packed, scale, out, in_ = descriptor
-        return cls(fmt, unit, packed.data_ptr(), None if scale is None else scale.data_ptr(), out, in_)
+        """From a packed linear's descriptor() (hn_weight)."""
+        return hn_weight(descriptor)
 
 
-def layer_pointers(layers: list[tuple[torch.Tensor, ...]]) -> ctypes.Array:
-    """decode_layers' weights: each layer's attn_norm, wqkv, wo, mlp_norm, w13 and w2 (the norms fp32, the
-    matmuls as pack_q4 lays them out), as one array of pointers into those tensors (keep them alive)."""
-    if any(len(layer) != LAYER_POINTERS for layer in layers):
-        raise ValueError(f"decode_layers takes {LAYER_POINTERS} weights a layer")
-    return (ctypes.c_void_p * (LAYER_POINTERS * len(layers)))(*[t.data_ptr() for layer in layers for t in layer])
+class HnLayer(_Struct):
+    """hn_layer_t: one decoder layer of any family; a part the family lacks is NULL (None) or 0."""
+
+    _fields_ = [("wqkv", HnWeight), ("wo", HnWeight), ("w13", HnWeight), ("w2", HnWeight),
+                ("attn_norm", _P), ("mlp_norm", _P), ("attn_post_norm", _P), ("mlp_post_norm", _P),
+                ("bqkv", _P), ("q_norm", _P), ("k_norm", _P), ("cos", _P), ("sin", _P), ("window", _I)]
+
+
+class HnModel(_Struct):
+    """hn_model_t: what every layer shares."""
+
+    _fields_ = [("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("hidden", _I), ("ffn", _I),
+                ("activation", _I), ("eps", _F), ("attn_scale", _F), ("attn_softcap", _F)]
+
+
+STRUCTS = (HnWeight, HnLayer, HnModel)  # in hn_struct_bytes' numbering
+ACTIVATIONS = {"silu": DEFINES["HN_ACT_SILU"], "gelu_tanh": DEFINES["HN_ACT_GELU_TANH"]}
+
+
+def hn_weight(descriptor: tuple) -> HnWeight:
+    """A packed linear's `descriptor()`, (format, unit, packed tensor, scale tensor or None, out, in), as the
+    struct that points into those tensors (keep them alive)."""
+    fmt, unit, packed, scale, out_features, in_features = descriptor
+    return HnWeight(fmt, unit, packed.data_ptr(), None if scale is None else scale.data_ptr(), out_features,
+                    in_features)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def hn_layer(wqkv: tuple, wo: tuple, w13: tuple, w2: tuple, attn_norm: torch.Tensor, mlp_norm: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor, window: int = 0, attn_post_norm: torch.Tensor | None = None,
+             mlp_post_norm: torch.Tensor | None = None, bqkv: torch.Tensor | None = None,
+             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> HnLayer:
+    """One layer's descriptor, pointing into these tensors (keep them alive): the four matrices as their
+    `descriptor()`s, the norms fp32 and contiguous, bqkv, cos and sin in the model's dtype, contiguous."""
+    tensors = [attn_norm, mlp_norm, attn_post_norm, mlp_post_norm, q_norm, k_norm]
+    if any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for t in tensors) or not all(
+            t is None or t.is_contiguous() for t in (bqkv, cos, sin)):
+        raise ValueError("hn_layer: the norms must be contiguous fp32, bqkv and the rotary tables contiguous")
+    return HnLayer(hn_weight(wqkv), hn_weight(wo), hn_weight(w13), hn_weight(w2), attn_norm.data_ptr(),
+                   mlp_norm.data_ptr(), _ptr(attn_post_norm), _ptr(mlp_post_norm), _ptr(bqkv), _ptr(q_norm),
+                   _ptr(k_norm), cos.data_ptr(), sin.data_ptr(), window)
 
 
 class DecodeKernels:
@@ -79,6 +129,11 @@ class DecodeKernels:
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: the GIL is released during each call
+        lib.hn_struct_bytes.argtypes, lib.hn_struct_bytes.restype = [_I], _I
+        for which, struct in enumerate(STRUCTS):
+            if lib.hn_struct_bytes(which) != ctypes.sizeof(struct):
+                raise RuntimeError(f"{path}: its struct {which} is {lib.hn_struct_bytes(which)} bytes, "
+                                   f"{struct.__name__} {ctypes.sizeof(struct)}: the library and bindings.py disagree")
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name, argtypes in SIGNATURES.items():
             for dtype, suffix in SUFFIXES.items():
@@ -126,10 +181,12 @@ class DecodeKernels:
             raise RuntimeError(f"native {what} refused its arguments (code {code})")
 
     def attention(self, q: torch.Tensor, layer_kv: torch.Tensor, block_tables: torch.Tensor,
-                  lens: torch.Tensor, longest: int, block_size: int, scale: float) -> torch.Tensor:
+                  lens: torch.Tensor, longest: int, block_size: int, scale: float, window: int = 0,
+                  softcap: float | None = None) -> torch.Tensor:
         """q [B, H, D] (rows of any stride, heads and dims contiguous); layer_kv [slots, 2, Hkv, D]
         contiguous; block_tables [B, blocks] and lens [B] int64 contiguous, every row's table covering its
-        length (`longest` is the largest). Returns [B, H, D]."""
+        length (`longest` is the largest). Row r attends to its last `window` positions (0: all of its lens[r]),
+        scores q.k * scale, soft-capped to tanh(s / softcap) * softcap where softcap is given. Returns [B, H, D]."""
         rows, heads, dim = q.shape
         kv_heads = layer_kv.shape[2]
         if q.stride(2) != 1 or q.stride(1) != dim or not layer_kv.is_contiguous():
@@ -137,7 +194,7 @@ class DecodeKernels:
         out = torch.empty(rows, heads, dim, dtype=q.dtype)
         fn = self._fns["decode_attention", q.dtype]
         args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                lens.data_ptr(), block_size, heads, kv_heads, dim, scale, out.data_ptr())
+                lens.data_ptr(), block_size, heads, kv_heads, dim, scale, window, softcap or 0.0, out.data_ptr())
         self._check(fn(*args, rows, self.attention_threads(rows, heads, longest)), "attention")
         return out
 
@@ -156,15 +213,36 @@ class DecodeKernels:
         return out
 
     def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                      heads: int, kv_heads: int, dim: int, layer_kv: torch.Tensor, slots: torch.Tensor) -> None:
-        """Rotates qkv's q and k heads in place (cos/sin: [positions, dim] tables, qkv's dtype) and copies
-        each row's K and V into layer_kv [slots, 2, Hkv, D] at slots[row]."""
+                      heads: int, kv_heads: int, dim: int, layer_kv: torch.Tensor, slots: torch.Tensor,
+                      bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                      k_norm: torch.Tensor | None = None, eps: float = 0.0) -> None:
+        """In place on qkv's rows: + bias (where given, [(heads + 2 kv_heads) dim], qkv's dtype), RMSNorm of every
+        q head by q_norm and every k head by k_norm (where given, fp32 [dim], eps), then the rotation of the q and
+        k heads (cos/sin: [positions, dim] tables, qkv's dtype); then copies each row's K and V into layer_kv
+        [slots, 2, Hkv, D] at slots[row]."""
+        width = (heads + 2 * kv_heads) * dim
         if not (qkv.is_contiguous() and layer_kv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-                and qkv.dtype == layer_kv.dtype == cos.dtype == sin.dtype and qkv.shape[1] == (heads + 2 * kv_heads) * dim):
+                and qkv.dtype == layer_kv.dtype == cos.dtype == sin.dtype and qkv.shape[1] == width):
             raise ValueError("rope_kv_write: qkv, the cache and the tables must be contiguous, of one dtype")
+        if bias is not None and not (bias.is_contiguous() and bias.dtype == qkv.dtype and bias.numel() == width):
+            raise ValueError("rope_kv_write: the bias must be contiguous, of qkv's dtype and row width")
+        if any(n is not None and not (n.is_contiguous() and n.dtype == torch.float32 and n.numel() == dim)
+               for n in (q_norm, k_norm)):
+            raise ValueError("rope_kv_write: the q and k norms must be contiguous fp32 [head_dim]")
         self._check(self._fns["rope_kv_write", qkv.dtype](
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), qkv.shape[0], heads, kv_heads,
-            dim, layer_kv.data_ptr(), slots.data_ptr()), "rope_kv_write")
+            qkv.data_ptr(), _ptr(bias), _ptr(q_norm), _ptr(k_norm), eps, cos.data_ptr(), sin.data_ptr(),
+            positions.data_ptr(), qkv.shape[0], heads, kv_heads, dim, layer_kv.data_ptr(), slots.data_ptr()),
+            "rope_kv_write")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, dim] contiguous, fp32 or bf16 → RMSNorm(x) * weight (fp32 [dim]) in x's dtype: a sublayer's
+        output before the residual add (Gemma's post norms)."""
+        if not (x.is_contiguous() and weight.is_contiguous() and weight.dtype == torch.float32):
+            raise ValueError("rms_norm: x must be contiguous and the weight contiguous fp32")
+        out = torch.empty_like(x)
+        self._check(self._fns["rms_norm", x.dtype](x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
+                                                   out.data_ptr()), "rms_norm")
+        return out
 
     def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str = "int") -> torch.Tensor:
         """x [rows, in] (fp32 or bf16, rows of any stride) @ W^T → [rows, out] in x's dtype; W in GGUF Q4
@@ -274,33 +352,33 @@ class DecodeKernels:
     def attention_threads(self, rows: int, heads: int, longest: int) -> int:
         return torch.get_num_threads() if rows * heads > 1 and rows * heads * longest >= SPLIT_MIN_WORK else 1
 
-    def decode_layers(self, h: torch.Tensor, layer_weights: ctypes.Array, kv: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                      lens: torch.Tensor, longest: int, block_size: int, heads: int, head_dim: int, ffn: int,
-                      eps: float, kernel: str = "int") -> None:
+    def decode_layers(self, h: torch.Tensor, layers: ctypes.Array, model: HnModel, kv: torch.Tensor,
+                      positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor,
+                      longest: int, block_size: int) -> None:
         """Every layer of a decode step (layers.c) on the fp32 residual h [rows, hidden], in place: the
-        same kernels as the per-op path, in one call. layer_weights: `layer_pointers`' array; kv [layers,
-        slots, 2, kv_heads, head_dim] contiguous; the rest as `attention` and `rope_kv_write` take them;
-        kernel as `q4_matmul` takes it."""
+        same kernels as the per-op path, in one call. layers: an array of HnLayer (`hn_layer`), one a layer of
+        kv [layers, slots, 2, kv_heads, head_dim] (contiguous, the model's dtype); the rest as `attention` and
+        `rope_kv_write` take them."""
         rows, hidden = h.shape
-        layers, kv_heads = kv.shape[0], kv.shape[3]
-        if not (h.is_contiguous() and h.dtype == torch.float32 and kv.is_contiguous() and cos.dtype == kv.dtype
-                and cos.is_contiguous() and sin.is_contiguous() and len(layer_weights) == LAYER_POINTERS * layers):
-            raise ValueError("decode_layers: h must be contiguous fp32, kv and the rotary tables contiguous, of "
-                             f"one dtype, with {LAYER_POINTERS} weight pointers a layer")
+        if not (h.is_contiguous() and h.dtype == torch.float32 and kv.is_contiguous() and len(layers) == kv.shape[0]
+                and hidden == model.hidden):
+            raise ValueError("decode_layers: h must be contiguous fp32 [rows, hidden], kv contiguous, with one "
+                             "layer descriptor a layer")
         self._check(self._fns["decode_layers", kv.dtype](
-            h.data_ptr(), rows, layers, layer_weights, kv.data_ptr(), kv[0].numel(), cos.data_ptr(), sin.data_ptr(),
-            positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            lens.data_ptr(), block_size, heads, kv_heads, head_dim, hidden, ffn, eps, head_dim ** -0.5,
-            torch.get_num_threads(), self.attention_threads(rows, heads, longest),
-            Q4_INDEX[kernel]), "decode_layers")
+            h.data_ptr(), rows, len(layers), layers, ctypes.byref(model), kv.data_ptr(), kv[0].numel(),
+            positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(),
+            block_size, torch.get_num_threads(), self.attention_threads(rows, model.heads, longest)), "decode_layers")
+
+    def act_mul(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """gate_up [rows, 2 F] contiguous → act(gate) * up [rows, F]; act: "silu" or "gelu_tanh" (GeGLU)."""
+        if not gate_up.is_contiguous():
+            raise ValueError(f"{ACT_MUL[act]}: gate_up must be contiguous")
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self._check(self._fns[ACT_MUL[act], gate_up.dtype](gate_up.data_ptr(), rows, width, out.data_ptr(),
+                                                          torch.get_num_threads()), ACT_MUL[act])
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [rows, 2 F] contiguous → silu(gate) * up [rows, F]."""
-        if not gate_up.is_contiguous():
-            raise ValueError("silu_mul: gate_up must be contiguous")
-        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, width, dtype=gate_up.dtype)
-        self._check(self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, width, out.data_ptr(),
-                                                        torch.get_num_threads()), "silu_mul")
-        return out
+        return self.act_mul(gate_up, "silu")

@@ -1,7 +1,8 @@
 /* Decode attention that reads the paged K/V cache in place (common/engine/native).
  *
  * One query per row, each row attending to positions 0 .. len-1 of its own sequence through its block
- * table. The eager path gathers every row's context into a padded copy, widens it to fp32 and calls
+ * table (or to the last `window` of them: a sliding-window layer's), its scores soft-capped where the model
+ * asks (Gemma 2). The eager path gathers every row's context into a padded copy, widens it to fp32 and calls
  * SDPA: three passes over the context's bytes plus a mask. This reads each K and V row once, where it
  * lies, and accumulates in fp32.
  *
@@ -10,7 +11,8 @@
  * dims for V) and reads nothing of other rows; every sum runs in a fixed order that depends only on the row's
  * own length (16 fixed lanes over head_dim, then a fixed tree; positions in order), never on addresses or on
  * how the work is split between threads. Built without -ffast-math for that reason: the compiler may not
- * reassociate a sum. exp is a polynomial in plain C so that it vectorizes without libmvec.
+ * reassociate a sum. exp, and the soft-cap's tanh built on it, are polynomials in plain C, so that they vectorize
+ * without libmvec and give the same bits in every build.
  *
  * Layouts (elements, not bytes):
  *   q     [rows, heads, dim], row stride q_stride, head stride dim
@@ -187,8 +189,8 @@ static inline void NAME(const float *restrict qf, const T *restrict slots, const
 DEFINE_SCORES(scores_bf16, uint16_t, bf16_to_f32, VEC_LOAD_BF16)
 DEFINE_SCORES(scores_f32, float, LOAD_F32, VEC_LOAD_F32)
 
-/* The weighted sum of V, acc[hq * dim + d] = sum over positions p, in order, of w[hq, p] * v[p, d], for query
- * heads hq0 .. hq1 - 1. Each term is one fused multiply-add into the running sum, from zero: the same
+/* The weighted sum of V, acc[hq * dim + d] = sum over positions p = first .. len - 1, in order, of
+ * w[hq, p - first] * v[p, d], for query heads hq0 .. hq1 - 1. Each term is one fused multiply-add into the running sum, from zero: the same
  * operations as the plain loop below it (which -ffp-contract=fast fuses the same way), so the same bits. At
  * head_dim 64 with AVX-512 the sums stay in registers, V_TILE query heads (4 vectors each) at a time, and a
  * KV head's V row is widened to fp32 once for the query heads of the tile that read it: the plain loop
@@ -199,24 +201,25 @@ DEFINE_SCORES(scores_f32, float, LOAD_F32, VEC_LOAD_F32)
 #ifdef ATTENTION_AVX512
 #define DEFINE_WEIGHTED_V(NAME, T, VLOAD)                                                              \
 static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_t slot_stride,          \
-                       int64_t kv_heads, int64_t len, int64_t hq0, int64_t hq1, int64_t group, int64_t dim, \
-                       const float *scores, float *acc) {                                              \
+                       int64_t kv_heads, int64_t first, int64_t len, int64_t hq0, int64_t hq1, int64_t group, \
+                       int64_t dim, const float *scores, float *acc) {                                 \
     if (dim != 64) return -1;                                                                          \
+    const int64_t span = len - first;                                                                  \
     for (int64_t t0 = hq0; t0 < hq1; t0 += V_TILE) {                                                   \
         const int64_t nt = hq1 - t0 < V_TILE ? hq1 - t0 : V_TILE;                                      \
         const int64_t h0 = t0 / group, h1 = (t0 + nt - 1) / group + 1;                                 \
         __m512 a[V_TILE][4];                                                                           \
         for (int t = 0; t < V_TILE; t++)                                                               \
             for (int k = 0; k < 4; k++) a[t][k] = _mm512_setzero_ps();                                 \
-        for (int64_t p0 = 0; p0 < len; p0 += block) {                                                  \
-            const T *slots = kv + blocks[p0 / block] * block * slot_stride + kv_heads * dim;           \
-            const int64_t n = len - p0 < block ? len - p0 : block;                                     \
-            const T *next = p0 + block < len ? kv + blocks[p0 / block + 1] * block * slot_stride + kv_heads * dim \
-                                             : NULL;                                                   \
+        for (int64_t p0 = first; p0 < len;) {                                                          \
+            const int64_t off = p0 % block, n = len - p0 < block - off ? len - p0 : block - off;       \
+            const T *slots = kv + (blocks[p0 / block] * block + off) * slot_stride + kv_heads * dim;   \
+            const T *next = p0 + n < len ? kv + blocks[p0 / block + 1] * block * slot_stride + kv_heads * dim \
+                                         : NULL;                                                       \
             for (int64_t i = 0; i < n; i++) {                                                          \
                 if (next) prefetch_heads(next + i * slot_stride + h0 * dim, (h1 - h0) * dim * (int64_t)sizeof(T)); \
                 const T *row = slots + i * slot_stride;                                                \
-                const float *w = scores + p0 + i;                                                      \
+                const float *w = scores + (p0 - first) + i;                                            \
                 int64_t h = -1;                                                                        \
                 __m512 v[4];                                                                           \
                 for (int t = 0; t < V_TILE; t++) {                                                     \
@@ -226,10 +229,11 @@ static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_
                         h = hq / group;                                                                \
                         for (int k = 0; k < 4; k++) v[k] = VLOAD(row + h * dim + 16 * k);              \
                     }                                                                                  \
-                    const __m512 wt = _mm512_set1_ps(w[hq * len]);                                     \
+                    const __m512 wt = _mm512_set1_ps(w[hq * span]);                                    \
                     for (int k = 0; k < 4; k++) a[t][k] = _mm512_fmadd_ps(wt, v[k], a[t][k]);         \
                 }                                                                                      \
             }                                                                                          \
+            p0 += n;                                                                                   \
         }                                                                                              \
         for (int t = 0; t < nt; t++)                                                                   \
             for (int k = 0; k < 4; k++) _mm512_storeu_ps(acc + (t0 + t) * dim + 16 * k, a[t][k]);     \
@@ -244,120 +248,141 @@ static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_
 #define V_TILE2 3
 #define DEFINE_WEIGHTED_V(NAME, T, VLOAD)                                                              \
 static inline void NAME##_half(const T *kv, const int64_t *blocks, int64_t block, int64_t slot_stride,  \
-                               int64_t kv_heads, int64_t len, int64_t hq0, int64_t hq1, int64_t group, \
-                               int64_t dim, const float *scores, float *acc, int64_t half) {           \
+                               int64_t kv_heads, int64_t first, int64_t len, int64_t hq0, int64_t hq1,  \
+                               int64_t group, int64_t dim, const float *scores, float *acc, int64_t half) { \
+    const int64_t span = len - first;                                                                  \
     for (int64_t t0 = hq0; t0 < hq1; t0 += V_TILE2) {                                                  \
         const int64_t nt = hq1 - t0 < V_TILE2 ? hq1 - t0 : V_TILE2;                                    \
         const int64_t h0 = t0 / group, h1 = (t0 + nt - 1) / group + 1;                                 \
         __m256 a[V_TILE2][4];                                                                          \
         for (int t = 0; t < V_TILE2; t++)                                                              \
             for (int k = 0; k < 4; k++) a[t][k] = _mm256_setzero_ps();                                 \
-        for (int64_t p0 = 0; p0 < len; p0 += block) {                                                  \
-            const T *slots = kv + blocks[p0 / block] * block * slot_stride + kv_heads * dim;           \
-            const int64_t n = len - p0 < block ? len - p0 : block;                                     \
-            const T *next = p0 + block < len ? kv + blocks[p0 / block + 1] * block * slot_stride + kv_heads * dim \
-                                             : NULL;                                                   \
+        for (int64_t p0 = first; p0 < len;) {                                                          \
+            const int64_t off = p0 % block, n = len - p0 < block - off ? len - p0 : block - off;       \
+            const T *slots = kv + (blocks[p0 / block] * block + off) * slot_stride + kv_heads * dim;   \
+            const T *next = p0 + n < len ? kv + blocks[p0 / block + 1] * block * slot_stride + kv_heads * dim \
+                                         : NULL;                                                       \
             for (int64_t i = 0; i < n; i++) {                                                          \
                 if (next)                                                                              \
                     for (int64_t h = h0; h < h1; h++)                                                  \
                         prefetch_heads(next + i * slot_stride + h * dim + half, 32 * (int64_t)sizeof(T)); \
                 const T *row = slots + i * slot_stride + half;                                         \
-                const float *w = scores + p0 + i;                                                      \
+                const float *w = scores + (p0 - first) + i;                                            \
                 for (int t = 0; t < V_TILE2; t++) {                                                    \
                     if (t == nt) break;                                                                \
                     const int64_t hq = t0 + t;                                                         \
                     const T *v = row + (hq / group) * dim;                                             \
-                    const __m256 wt = _mm256_set1_ps(w[hq * len]);                                     \
+                    const __m256 wt = _mm256_set1_ps(w[hq * span]);                                    \
                     for (int k = 0; k < 4; k++) a[t][k] = _mm256_fmadd_ps(wt, VLOAD(v + 8 * k), a[t][k]); \
                 }                                                                                      \
             }                                                                                          \
+            p0 += n;                                                                                   \
         }                                                                                              \
         for (int t = 0; t < nt; t++)                                                                   \
             for (int k = 0; k < 4; k++) _mm256_storeu_ps(acc + (t0 + t) * dim + half + 8 * k, a[t][k]); \
     }                                                                                                  \
 }                                                                                                      \
 static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_t slot_stride,          \
-                       int64_t kv_heads, int64_t len, int64_t hq0, int64_t hq1, int64_t group, int64_t dim, \
-                       const float *scores, float *acc) {                                              \
+                       int64_t kv_heads, int64_t first, int64_t len, int64_t hq0, int64_t hq1, int64_t group, \
+                       int64_t dim, const float *scores, float *acc) {                                 \
     if (dim != 64) return -1;                                                                          \
     for (int64_t half = 0; half < dim; half += 32)                                                     \
-        NAME##_half(kv, blocks, block, slot_stride, kv_heads, len, hq0, hq1, group, dim, scores, acc, half); \
+        NAME##_half(kv, blocks, block, slot_stride, kv_heads, first, len, hq0, hq1, group, dim, scores, acc, \
+                    half);                                                                             \
     return 0;                                                                                          \
 }
 #define V_SPLIT_DIMS 32 /* the one-row split's dims a part: NAME##_half's */
 #else
 #define DEFINE_WEIGHTED_V(NAME, T, VLOAD)                                                              \
 static inline int NAME(const T *kv, const int64_t *blocks, int64_t block, int64_t slot_stride,          \
-                       int64_t kv_heads, int64_t len, int64_t hq0, int64_t hq1, int64_t group, int64_t dim, \
-                       const float *scores, float *acc) {                                              \
-    (void)kv, (void)blocks, (void)block, (void)slot_stride, (void)kv_heads, (void)len, (void)hq0, (void)hq1, \
-        (void)group, (void)dim, (void)scores, (void)acc;                                               \
+                       int64_t kv_heads, int64_t first, int64_t len, int64_t hq0, int64_t hq1, int64_t group, \
+                       int64_t dim, const float *scores, float *acc) {                                 \
+    (void)kv, (void)blocks, (void)block, (void)slot_stride, (void)kv_heads, (void)first, (void)len, (void)hq0, \
+        (void)hq1, (void)group, (void)dim, (void)scores, (void)acc;                                    \
     return -1;                                                                                         \
 }
 #endif
 DEFINE_WEIGHTED_V(weighted_v_bf16, uint16_t, VEC_LOAD_BF16)
 DEFINE_WEIGHTED_V(weighted_v_f32, float, VEC_LOAD_F32)
 
+/* A row's window: its positions first .. len - 1 (window 0: all of them). */
+static inline int64_t window_first(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+/* Soft-capped scores, tanh(s / cap) * cap (Gemma 2), of sg[0 .. n - 1] in place; returns their maximum. The
+ * maximum is taken after the cap (tanh_portable is monotonic only up to its rounding). */
+static inline float soft_cap(float *sg, int64_t n, float cap) {
+    for (int64_t p = 0; p < n; p++) sg[p] = tanh_portable(sg[p] / cap) * cap;
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; p++) top = sg[p] > top ? sg[p] : top;
+    return top;
+}
+
 /* The (row, query head) items item_begin .. item_end - 1, a row's heads together: per position the slot's K
  * (then V) of the KV heads they read is one contiguous read (one head at a time read 256 of every 1,536 bytes
  * and waited on memory: docs/benchmarks.md, "Figures behind the code": Attention reads a row's heads
  * together). The next block is prefetched while one is read, for scores and for V alike. Pointers are
- * restrict: with an fp32 cache the score stores could otherwise alias the K/V loads. Positions are walked
- * block by block, in order; each (row, head)'s sums are the same operations in the same order as alone. Items
- * are query heads, not KV heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV heads
- * the split was 1 / 2); a KV head whose query heads land on both threads is read by both. */
+ * restrict: with an fp32 cache the score stores could otherwise alias the K/V loads. A row's positions (its
+ * window's: first .. len - 1) are walked block by block, in order, the first block from the window's start;
+ * each (row, head)'s sums are the same operations in the same order as alone. Items are query heads, not KV
+ * heads, so that one row's 9 heads split 4 / 5 between two threads (by its 3 KV heads the split was 1 / 2); a
+ * KV head whose query heads land on both threads is read by both. */
 #define DEFINE_ATTENTION_ITEMS(NAME, T, LOAD, STORE, SCORES, WEIGHTED_V)                                \
 static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, const int64_t *restrict table, \
                 int64_t table_stride, const int64_t *restrict lens, int64_t block, int64_t heads,      \
-                int64_t kv_heads, int64_t dim, float scale, T *restrict out, int64_t item_begin,       \
-                int64_t item_end, float *restrict scores, float *restrict qf) {                        \
+                int64_t kv_heads, int64_t dim, float scale, int64_t window, float softcap, T *restrict out, \
+                int64_t item_begin, int64_t item_end, float *restrict scores, float *restrict qf) {    \
     const int64_t group = heads / kv_heads, slot_stride = 2 * kv_heads * dim;                          \
     float *restrict acc = qf + heads * dim, top[MAX_HEADS], inv[MAX_HEADS];                            \
     for (int64_t it = item_begin; it < item_end;) {                                                    \
         const int64_t row = it / heads, hq0 = it % heads; /* query heads hq0 .. hq1 - 1 of the row */  \
         const int64_t hq1 = item_end - row * heads < heads ? item_end - row * heads : heads;           \
         it = row * heads + hq1;                                                                        \
-        const int64_t len = lens[row], h0 = hq0 / group, h1 = (hq1 - 1) / group + 1; /* their KV heads */ \
+        const int64_t len = lens[row], first = window_first(len, window), span = len - first;          \
+        const int64_t h0 = hq0 / group, h1 = (hq1 - 1) / group + 1; /* their KV heads */               \
         const int64_t *restrict blocks = table + row * table_stride;                                   \
         for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
             const T *qh = q + row * q_stride + hq * dim;                                               \
             for (int64_t d = 0; d < dim; d++) qf[hq * dim + d] = LOAD(qh[d]) * scale;                  \
             top[hq] = -INFINITY;                                                                       \
         }                                                                                              \
-        for (int64_t p0 = 0; p0 < len; p0 += block) { /* scores: q . k of every position */           \
-            const T *slots = kv + blocks[p0 / block] * block * slot_stride;                            \
-            const int64_t n = len - p0 < block ? len - p0 : block;                                     \
-            const T *next = p0 + block < len ? kv + blocks[p0 / block + 1] * block * slot_stride : NULL;  \
-            SCORES(qf, slots, next, n, slot_stride, hq0, hq1, group, dim, scores + p0, len, top);       \
+        for (int64_t p0 = first; p0 < len;) { /* scores: q . k of every position */                   \
+            const int64_t off = p0 % block, n = len - p0 < block - off ? len - p0 : block - off;       \
+            const T *slots = kv + (blocks[p0 / block] * block + off) * slot_stride;                    \
+            const T *next = p0 + n < len ? kv + blocks[p0 / block + 1] * block * slot_stride : NULL;   \
+            SCORES(qf, slots, next, n, slot_stride, hq0, hq1, group, dim, scores + (p0 - first), span, top); \
+            p0 += n;                                                                                   \
         }                                                                                              \
+        if (softcap > 0.0f)                                                                            \
+            for (int64_t hq = hq0; hq < hq1; hq++) top[hq] = soft_cap(scores + hq * span, span, softcap); \
         for (int64_t hq = hq0; hq < hq1; hq++) { /* softmax weights */                                 \
-            float *sg = scores + hq * len;                                                             \
+            float *sg = scores + hq * span;                                                            \
             const float t = top[hq];                                                                   \
-            for (int64_t p = 0; p < len; p++) sg[p] = exp_nonpositive(sg[p] - t);                      \
+            for (int64_t p = 0; p < span; p++) sg[p] = exp_nonpositive(sg[p] - t);                     \
         }                                                                                              \
         /* each head's total, positions in order; the heads side by side, so that their chains of      \
          * dependent additions overlap (one after the other, 4 positions' cycles each) */              \
         float total[MAX_HEADS];                                                                        \
         for (int64_t hq = hq0; hq < hq1; hq++) total[hq] = 0.0f;                                       \
-        for (int64_t p = 0; p < len; p++)                                                              \
-            for (int64_t hq = hq0; hq < hq1; hq++) total[hq] += scores[hq * len + p];                  \
+        for (int64_t p = 0; p < span; p++)                                                             \
+            for (int64_t hq = hq0; hq < hq1; hq++) total[hq] += scores[hq * span + p];                 \
         for (int64_t hq = hq0; hq < hq1; hq++) inv[hq] = total[hq] > 0.0f ? 1.0f / total[hq] : 0.0f;   \
-        if (!WEIGHTED_V(kv, blocks, block, slot_stride, kv_heads, len, hq0, hq1, group, dim, scores, acc)) \
+        if (!WEIGHTED_V(kv, blocks, block, slot_stride, kv_heads, first, len, hq0, hq1, group, dim, scores, acc)) \
             goto normalize;                                                                            \
         memset(acc + hq0 * dim, 0, sizeof(float) * (size_t)((hq1 - hq0) * dim));                      \
-        for (int64_t p0 = 0; p0 < len; p0 += block) { /* the weighted sum of V, positions in order */ \
-            const T *slots = kv + blocks[p0 / block] * block * slot_stride + kv_heads * dim;           \
-            const int64_t n = len - p0 < block ? len - p0 : block;                                     \
-            const T *next = p0 + block < len ? kv + blocks[p0 / block + 1] * block * slot_stride + kv_heads * dim \
-                                             : NULL;                                                   \
+        for (int64_t p0 = first; p0 < len;) { /* the weighted sum of V, positions in order */         \
+            const int64_t off = p0 % block, n = len - p0 < block - off ? len - p0 : block - off;       \
+            const T *slots = kv + (blocks[p0 / block] * block + off) * slot_stride + kv_heads * dim;   \
+            const T *next = p0 + n < len ? kv + blocks[p0 / block + 1] * block * slot_stride + kv_heads * dim \
+                                         : NULL;                                                       \
             for (int64_t i = 0; i < n; i++) {                                                          \
                 if (next) prefetch_heads(next + i * slot_stride + h0 * dim, (h1 - h0) * dim * (int64_t)sizeof(T)); \
                 for (int64_t hq = hq0; hq < hq1; hq++) {                                               \
                     const T *v = slots + i * slot_stride + (hq / group) * dim;                         \
-                    const float w = scores[hq * len + p0 + i];                                         \
+                    const float w = scores[hq * span + (p0 - first) + i];                              \
                     for (int64_t d = 0; d < dim; d++) acc[hq * dim + d] += w * LOAD(v[d]);             \
                 }                                                                                      \
             }                                                                                          \
+            p0 += n;                                                                                   \
         }                                                                                              \
     normalize:                                                                                         \
         for (int64_t hq = hq0; hq < hq1; hq++) {                                                       \
@@ -383,10 +408,11 @@ static int NAME(const T *restrict q, int64_t q_stride, const T *restrict kv, con
 #define ROW_SPLIT 0
 #define V_SPLIT_DIMS 16
 #define DEFINE_ATTENTION_ROW(NAME, T, LOAD, STORE, SCORES, WEIGHTED_V)                                  \
-static int NAME(const T *q, const T *kv, const int64_t *blocks, int64_t len, int64_t block, int64_t heads, \
-                int64_t kv_heads, int64_t dim, float scale, T *out, int64_t threads) {                 \
-    (void)q, (void)kv, (void)blocks, (void)len, (void)block, (void)heads, (void)kv_heads, (void)dim, (void)scale, \
-        (void)out, (void)threads;                                                                      \
+static int NAME(const T *q, const T *kv, const int64_t *blocks, int64_t first, int64_t len, int64_t block, \
+                int64_t heads, int64_t kv_heads, int64_t dim, float scale, float softcap, T *out,      \
+                int64_t threads) {                                                                     \
+    (void)q, (void)kv, (void)blocks, (void)first, (void)len, (void)block, (void)heads, (void)kv_heads, (void)dim, \
+        (void)scale, (void)softcap, (void)out, (void)threads;                                          \
     return -1;                                                                                         \
 }
 #else
@@ -398,12 +424,13 @@ static int NAME(const T *q, const T *kv, const int64_t *blocks, int64_t len, int
 #define V_HALF(WEIGHTED_V, ...) (WEIGHTED_V##_half(__VA_ARGS__), 0)
 #endif
 #define DEFINE_ATTENTION_ROW(NAME, T, LOAD, STORE, SCORES, WEIGHTED_V)                                  \
-static int NAME(const T *restrict q, const T *restrict kv, const int64_t *restrict blocks, int64_t len, \
-                int64_t block, int64_t heads, int64_t kv_heads, int64_t dim, float scale, T *restrict out, \
-                int64_t threads) {                                                                     \
-    const int64_t group = heads / kv_heads, slot_stride = 2 * kv_heads * dim;                          \
-    const int64_t nblocks = (len + block - 1) / block, v_parts = dim / V_SPLIT_DIMS;                   \
-    float *scores = malloc(sizeof(float) * (size_t)(heads * (len ? len : 1)));                         \
+static int NAME(const T *restrict q, const T *restrict kv, const int64_t *restrict blocks, int64_t first, \
+                int64_t len, int64_t block, int64_t heads, int64_t kv_heads, int64_t dim, float scale, \
+                float softcap, T *restrict out, int64_t threads) {                                     \
+    const int64_t group = heads / kv_heads, slot_stride = 2 * kv_heads * dim, span = len - first;      \
+    const int64_t b_first = first / block, nblocks = (len + block - 1) / block - b_first;             \
+    const int64_t v_parts = dim / V_SPLIT_DIMS;                                                        \
+    float *scores = malloc(sizeof(float) * (size_t)(heads * (span ? span : 1)));                       \
     float *qf = malloc(sizeof(float) * (size_t)(2 * heads * dim + threads * heads));                   \
     if (!scores || !qf) {                                                                              \
         free(scores);                                                                                  \
@@ -416,41 +443,45 @@ static int NAME(const T *restrict q, const T *restrict kv, const int64_t *restri
     _Pragma("omp parallel num_threads((int)threads)")                                                  \
     {                                                                                                  \
         const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();                        \
-        const int64_t b0 = nblocks * me / team, b1 = nblocks * (me + 1) / team;                        \
-        const int64_t pa = b0 * block, pb = b1 * block < len ? b1 * block : len;                       \
+        const int64_t b0 = b_first + nblocks * me / team, b1 = b_first + nblocks * (me + 1) / team;    \
+        const int64_t pa = b0 * block > first ? b0 * block : first, pb = b1 * block < len ? b1 * block : len; \
         float *top = tops + me * heads, t[MAX_HEADS], inv[MAX_HEADS], total[MAX_HEADS];                \
         for (int64_t hq = 0; hq < heads; hq++) top[hq] = -INFINITY;                                    \
         for (int64_t bi = b0; bi < b1; bi++) { /* scores of this thread's blocks, every head */       \
-            const int64_t p0 = bi * block, n = len - p0 < block ? len - p0 : block;                    \
+            const int64_t p0 = bi * block > first ? bi * block : first;                               \
+            const int64_t n = ((bi + 1) * block < len ? (bi + 1) * block : len) - p0;                 \
             const T *next = bi + 1 < b1 ? kv + blocks[bi + 1] * block * slot_stride : NULL;            \
-            SCORES(qf, kv + blocks[bi] * block * slot_stride, next, n, slot_stride, 0, heads, group, dim, \
-                   scores + p0, len, top);                                                             \
+            SCORES(qf, kv + (blocks[bi] * block + p0 - bi * block) * slot_stride, next, n, slot_stride, 0, heads, \
+                   group, dim, scores + (p0 - first), span, top);                                      \
         }                                                                                              \
+        if (softcap > 0.0f)                                                                            \
+            for (int64_t hq = 0; hq < heads; hq++)                                                     \
+                top[hq] = pa < pb ? soft_cap(scores + hq * span + (pa - first), pb - pa, softcap) : -INFINITY; \
         _Pragma("omp barrier")                                                                         \
         for (int64_t hq = 0; hq < heads; hq++) { /* the maximum, parts in position order */           \
             t[hq] = -INFINITY;                                                                         \
             for (int64_t th = 0; th < team; th++)                                                      \
                 if (tops[th * heads + hq] > t[hq]) t[hq] = tops[th * heads + hq];                      \
-            float *sg = scores + hq * len;                                                             \
+            float *sg = scores + hq * span;                                                            \
             const float th_max = t[hq];                                                                \
-            for (int64_t p = pa; p < pb; p++) sg[p] = exp_nonpositive(sg[p] - th_max);                 \
+            for (int64_t p = pa - first; p < pb - first; p++) sg[p] = exp_nonpositive(sg[p] - th_max); \
         }                                                                                              \
         _Pragma("omp barrier")                                                                         \
         for (int64_t hq = 0; hq < heads; hq++) total[hq] = 0.0f;                                       \
-        for (int64_t p = 0; p < len; p++) /* each head's total, positions in order */                 \
-            for (int64_t hq = 0; hq < heads; hq++) total[hq] += scores[hq * len + p];                  \
+        for (int64_t p = 0; p < span; p++) /* each head's total, positions in order */                \
+            for (int64_t hq = 0; hq < heads; hq++) total[hq] += scores[hq * span + p];                 \
         for (int64_t hq = 0; hq < heads; hq++) inv[hq] = total[hq] > 0.0f ? 1.0f / total[hq] : 0.0f;   \
         for (int64_t vp = me; vp < v_parts; vp += team) {                                              \
             const int64_t d0 = vp * V_SPLIT_DIMS, d1 = d0 + V_SPLIT_DIMS;                              \
-            if (dim != 64 || V_HALF(WEIGHTED_V, kv, blocks, block, slot_stride, kv_heads, len, 0, heads, group, \
-                                    dim, scores, acc, d0)) {                                           \
+            if (dim != 64 || V_HALF(WEIGHTED_V, kv, blocks, block, slot_stride, kv_heads, first, len, 0, heads, \
+                                    group, dim, scores, acc, d0)) {                                    \
                 for (int64_t hq = 0; hq < heads; hq++)                                                 \
                     for (int64_t d = d0; d < d1; d++) acc[hq * dim + d] = 0.0f;                        \
-                for (int64_t p = 0; p < len; p++) { /* the weighted sum of V, positions in order */    \
+                for (int64_t p = first; p < len; p++) { /* the weighted sum of V, positions in order */ \
                     const T *slot = kv + (blocks[p / block] * block + p % block) * slot_stride + kv_heads * dim; \
                     for (int64_t hq = 0; hq < heads; hq++) {                                           \
                         const T *v = slot + (hq / group) * dim;                                        \
-                        const float w = scores[hq * len + p];                                          \
+                        const float w = scores[hq * span + (p - first)];                               \
                         for (int64_t d = d0; d < d1; d++) acc[hq * dim + d] += w * LOAD(v[d]);         \
                     }                                                                                  \
                 }                                                                                      \
@@ -467,25 +498,30 @@ static int NAME(const T *restrict q, const T *restrict kv, const int64_t *restri
 
 /* All rows x query heads; split between `threads` threads of an OpenMP team (torch's, as the matmuls') when
  * there is enough work (one row: ROW, above, where the build has it). Which thread computes an item never
- * changes its bits. */
+ * changes its bits. A row's cost is its window's positions. */
 #define DEFINE_ATTENTION(NAME, ITEMS, ROW, T)                                                          \
 int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_t table_stride,        \
          const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads, int64_t dim, float scale, \
-         T *out, int64_t rows, int64_t threads) {                                                      \
+         int64_t window, float softcap, T *out, int64_t rows, int64_t threads) {                       \
     if (heads % kv_heads || heads / kv_heads > MAX_HEADS_PER_KV || heads > MAX_HEADS || dim % LANES || dim > MAX_HEAD_DIM \
-        || block <= 0)                                                                                 \
+        || block <= 0 || window < 0 || !(softcap >= 0.0f))                                            \
         return -1;                                                                                     \
     const int64_t items = rows * heads, group = heads / kv_heads;                                      \
     if (threads > items) threads = items;                                                              \
-    if (ROW_SPLIT && threads > 1 && rows == 1 && lens[0] >= ROW_SPLIT_MIN && dim % V_SPLIT_DIMS == 0)  \
-        return ROW(q, kv, table, lens[0], block, heads, kv_heads, dim, scale, out, threads);           \
-    int64_t longest = 1;                                                                               \
-    for (int64_t r = 0; r < rows; r++) longest = lens[r] > longest ? lens[r] : longest;                \
+    if (ROW_SPLIT && threads > 1 && rows == 1 && lens[0] - window_first(lens[0], window) >= ROW_SPLIT_MIN \
+        && dim % V_SPLIT_DIMS == 0)                                                                    \
+        return ROW(q, kv, table, window_first(lens[0], window), lens[0], block, heads, kv_heads, dim, scale, \
+                   softcap, out, threads);                                                             \
+    int64_t longest = 1; /* the longest span */                                                        \
+    for (int64_t r = 0; r < rows; r++) {                                                               \
+        const int64_t span = lens[r] - window_first(lens[r], window);                                  \
+        longest = span > longest ? span : longest;                                                     \
+    }                                                                                                  \
     if (threads <= 1) {                                                                                \
         float *scores = malloc(sizeof(float) * (size_t)(heads * longest));                             \
         float *qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                                 \
         const int err = scores && qf ? ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, \
-                                             dim, scale, out, 0, items, scores, qf) : -2;              \
+                                             dim, scale, window, softcap, out, 0, items, scores, qf) : -2; \
         free(scores);                                                                                  \
         free(qf);                                                                                      \
         return err;                                                                                    \
@@ -495,15 +531,23 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
      * heads share each K and V line), or one KV head's query heads of a row longer than half a thread's   \
      * share of all the positions. A unit's bits do not depend on which thread takes it, or when. */      \
     int64_t total = 0;                                                                                 \
-    for (int64_t r = 0; r < rows; r++) total += lens[r];                                               \
+    int64_t *cost = malloc(sizeof(int64_t) * (size_t)rows); /* each row's span */                      \
     int64_t *unit = malloc(sizeof(int64_t) * (size_t)(2 * rows * kv_heads)), n_units = 0;             \
-    if (!unit) return -2;                                                                              \
+    if (!unit || !cost) {                                                                              \
+        free(unit);                                                                                    \
+        free(cost);                                                                                    \
+        return -2;                                                                                     \
+    }                                                                                                  \
+    for (int64_t r = 0; r < rows; r++) {                                                               \
+        cost[r] = lens[r] - window_first(lens[r], window);                                             \
+        total += cost[r];                                                                              \
+    }                                                                                                  \
     for (int64_t r = 0; r < rows; r++) { /* unit u: its first item, its item count; by cost, an insertion sort */ \
-        const int64_t split = 2 * threads * lens[r] > total, count = split ? kv_heads : 1;             \
+        const int64_t split = 2 * threads * cost[r] > total, count = split ? kv_heads : 1;             \
         for (int64_t k = 0; k < count; k++) {                                                          \
             const int64_t first = r * heads + k * (split ? group : 0), n = split ? group : heads;      \
             int64_t i = n_units++;                                                                     \
-            for (; i > 0 && lens[unit[2 * (i - 1)] / heads] * unit[2 * (i - 1) + 1] < lens[r] * n; i--) { \
+            for (; i > 0 && cost[unit[2 * (i - 1)] / heads] * unit[2 * (i - 1) + 1] < cost[r] * n; i--) { \
                 unit[2 * i] = unit[2 * (i - 1)];                                                       \
                 unit[2 * i + 1] = unit[2 * (i - 1) + 1];                                               \
             }                                                                                          \
@@ -521,13 +565,14 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
         while (!err) {                                                                                 \
             const int64_t u = atomic_fetch_add(&next, 1);                                              \
             if (u >= n_units) break;                                                                   \
-            err |= ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, out, \
-                         unit[2 * u], unit[2 * u] + unit[2 * u + 1], scores, qf);                      \
+            err |= ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, dim, scale, window, \
+                         softcap, out, unit[2 * u], unit[2 * u] + unit[2 * u + 1], scores, qf);        \
         }                                                                                              \
         free(scores);                                                                                  \
         free(qf);                                                                                      \
     }                                                                                                  \
     free(unit);                                                                                        \
+    free(cost);                                                                                        \
     return err;                                                                                        \
 }
 

@@ -1,5 +1,5 @@
-/* What attention.c and rowwise.c share: exp over the non-positive numbers, the fixed tree over LANES lanes
- * that their sums end in, and fp32's identity load and store beside bf16's (bf16.h). */
+/* What attention.c and rowwise.c share: exp over the non-positive numbers and tanh built on it, the fixed tree
+ * over LANES lanes that their sums end in, and fp32's identity load and store beside bf16's (bf16.h). */
 #ifndef HANDOFF_FLOAT_MATH_H
 #define HANDOFF_FLOAT_MATH_H
 
@@ -29,6 +29,25 @@ static inline float exp_nonpositive(float x_in) {
     float scale;
     memcpy(&scale, &e, sizeof scale);
     return x_in < -87.0f ? 0.0f : p * scale;
+}
+
+/* tanh(y) in plain operations (exp_nonpositive, a polynomial, selects), so that the scalar loops and the
+ * vectorised AVX2 / AVX-512 ones give the same bits: libm's tanhf and its vector version (libmvec) need not.
+ * |y| < 0.3: the odd Taylor polynomial to y^11 (the next term is under 1e-8 of y there); above, (1 - e) /
+ * (1 + e) with e = exp(-2|y|) <= 0.55, a few ulp. NaN stays NaN, +-inf gives +-1. */
+static inline float tanh_portable(float y) {
+    const float a = y < 0.0f ? -y : y;
+    const float e = exp_nonpositive(-2.0f * a);
+    const float large = (1.0f - e) / (1.0f + e);
+    const float a2 = a * a;
+    float p = -8.86323552e-3f; /* -1382 / 155925 */
+    p = p * a2 + 2.18694885e-2f; /* 62 / 2835 */
+    p = p * a2 - 5.39682540e-2f; /* -17 / 315 */
+    p = p * a2 + 1.33333333e-1f; /* 2 / 15 */
+    p = p * a2 - 3.33333333e-1f; /* -1 / 3 */
+    const float small = a + a * a2 * p;
+    const float t = a < 0.3f ? small : large;
+    return y < 0.0f ? -t : t;
 }
 
 static inline float sum_lanes(const float *l) { /* a fixed tree over the 16 lanes */

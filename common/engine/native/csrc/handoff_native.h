@@ -60,7 +60,7 @@
  * to `out`. */
 #define HN_PARTS 5
 
-/* ---- The Q4 kernels, numbered for decode_layers' q4_kernel (native/choice.py's Q4_INDEX) */
+/* ---- The Q4 kernels, numbered for an HN_Q4 weight's unit (native/choice.py's Q4_INDEX) */
 
 #define Q4_KERNEL_INT 0     /* q4_matmul */
 #define Q4_KERNEL_BF16DOT 1 /* q4_matmul_bf16dot */
@@ -68,8 +68,6 @@
 #define Q4_KERNEL_AMX 3     /* q4_matmul_amx */
 #define Q4_KERNEL_VNNI 4    /* q4_matmul_vnni */
 #define Q4_KERNEL_AVX2 5    /* q4_matmul_avx2 */
-
-#define LAYER_POINTERS 6 /* decode_layers' weights a layer: attn_norm, wqkv, wo, mlp_norm, w13, w2 */
 
 /* ---- The shapes attention and the row-wise ops take (native/bindings.py's DecodeKernels.supports) */
 
@@ -83,26 +81,37 @@
 #define REFINE_MAX 1024 /* the largest k */
 #define REFINE_LANES 8  /* its dot products' lanes: dim is a multiple of it */
 
-/* ---- Attention over the paged cache (attention.c) */
+/* ---- Attention over the paged cache (attention.c): row r's query attends to its positions max(0, lens[r] -
+ * window) .. lens[r] - 1 (window 0: from 0), scores q . k * scale, soft-capped to tanh(s / softcap) * softcap
+ * where softcap > 0. */
 
 int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kv, const int64_t *table,
                           int64_t table_stride, const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads,
-                          int64_t dim, float scale, uint16_t *out, int64_t rows, int64_t threads);
+                          int64_t dim, float scale, int64_t window, float softcap, uint16_t *out, int64_t rows,
+                          int64_t threads);
 int decode_attention_f32(const float *q, int64_t q_stride, const float *kv, const int64_t *table,
                          int64_t table_stride, const int64_t *lens, int64_t block, int64_t heads, int64_t kv_heads,
-                         int64_t dim, float scale, float *out, int64_t rows, int64_t threads);
+                         int64_t dim, float scale, int64_t window, float softcap, float *out, int64_t rows,
+                         int64_t threads);
 
 /* ---- The row-wise ops around the matmuls (rowwise.c) */
 
 int add_rms_norm_bf16(float *h, const uint16_t *delta, const float *w, int64_t rows, int64_t dim, float eps,
                       uint16_t *out);
 int add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t rows, int64_t dim, float eps, float *out);
-int rope_kv_write_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *positions,
-                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, uint16_t *kv, const int64_t *slots);
-int rope_kv_write_f32(float *qkv, const float *cos, const float *sin, const int64_t *positions, int64_t rows,
-                      int64_t heads, int64_t kv_heads, int64_t dim, float *kv, const int64_t *slots);
+int rms_norm_bf16(const uint16_t *x, const float *w, int64_t rows, int64_t dim, float eps, uint16_t *out);
+int rms_norm_f32(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out);
+/* bias, q_norm and k_norm may be NULL (none) */
+int rope_kv_write_bf16(uint16_t *qkv, const uint16_t *bias, const float *q_norm, const float *k_norm, float eps,
+                       const uint16_t *cos, const uint16_t *sin, const int64_t *positions, int64_t rows, int64_t heads,
+                       int64_t kv_heads, int64_t dim, uint16_t *kv, const int64_t *slots);
+int rope_kv_write_f32(float *qkv, const float *bias, const float *q_norm, const float *k_norm, float eps,
+                      const float *cos, const float *sin, const int64_t *positions, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t dim, float *kv, const int64_t *slots);
 int silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t width, uint16_t *out, int64_t threads);
 int silu_mul_f32(const float *gate_up, int64_t rows, int64_t width, float *out, int64_t threads);
+int gelu_tanh_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t width, uint16_t *out, int64_t threads);
+int gelu_tanh_mul_f32(const float *gate_up, int64_t rows, int64_t width, float *out, int64_t threads);
 
 /* ---- The weight matmuls: y [rows, out] (y_stride apart, fp32 or bf16) = x [rows, in] (x_stride apart,
  * fp32 or bf16) @ W^T, W packed as above; `threads` of torch's OpenMP team. */
@@ -147,16 +156,50 @@ int q8_matmul(const void *x, int x_bf16, int64_t x_stride, int64_t rows, const i
 
 /* ---- A decode step's whole layer stack in one call (layers.c) */
 
-int decode_layers_bf16(float *h, int64_t rows, int64_t num_layers, void *const *weights, uint16_t *kv,
-                       int64_t layer_stride, const uint16_t *cos, const uint16_t *sin, const int64_t *positions,
-                       const int64_t *slots, const int64_t *table, int64_t table_stride, const int64_t *lens,
-                       int64_t block, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t ffn,
-                       float eps, float attn_scale, int64_t threads, int64_t attn_threads, int64_t q4_kernel);
-int decode_layers_f32(float *h, int64_t rows, int64_t num_layers, void *const *weights, float *kv,
-                      int64_t layer_stride, const float *cos, const float *sin, const int64_t *positions,
-                      const int64_t *slots, const int64_t *table, int64_t table_stride, const int64_t *lens,
-                      int64_t block, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t ffn,
-                      float eps, float attn_scale, int64_t threads, int64_t attn_threads, int64_t q4_kernel);
+#define HN_ACT_SILU 0      /* the MLP's gate: silu (Llama, Mistral, Qwen, Phi-3) */
+#define HN_ACT_GELU_TANH 1 /* tanh-approximated GELU (Gemma's GeGLU) */
+
+/* One layer: what every family's layer is made of (families.py); an optional part is NULL (or 0) where the
+ * family has none. Norm weights are fp32 and as the model multiplies by them (Gemma's 1 + w already added);
+ * bqkv, cos and sin are in the model's dtype. */
+typedef struct {
+    hn_weight_t wqkv, wo, w13, w2;   /* [(heads + 2 kv_heads) head_dim, hidden], [hidden, heads head_dim],
+                                        [2 ffn, hidden] (gate, then up), [hidden, ffn] */
+    const float *attn_norm;          /* [hidden], before attention */
+    const float *mlp_norm;           /* [hidden], before the MLP */
+    const float *attn_post_norm;     /* [hidden]: attention's output normed before the residual add (Gemma) */
+    const float *mlp_post_norm;      /* [hidden]: the MLP's output, the same */
+    const void *bqkv;                /* [(heads + 2 kv_heads) head_dim]: the q, k, v projections' bias (Qwen 2) */
+    const float *q_norm, *k_norm;    /* [head_dim]: RMSNorm of every q and k head before the rotation (Qwen 3,
+                                        Gemma 3) */
+    const void *cos, *sin;           /* [positions, head_dim]: this layer's rotary tables */
+    int64_t window;                  /* a row attends to its last `window` positions (itself included); 0: all */
+} hn_layer_t;
+
+/* What every layer shares. */
+typedef struct {
+    int64_t heads, kv_heads, head_dim, hidden, ffn;
+    int64_t activation;              /* HN_ACT_* */
+    float eps;                       /* every RMSNorm's */
+    float attn_scale;                /* scores = q . k * attn_scale */
+    float attn_softcap;              /* scores -> tanh(scores / cap) * cap (Gemma 2); 0: none */
+} hn_model_t;
+
+/* sizeof the structs above (0: hn_weight_t, 1: hn_layer_t, 2: hn_model_t), so that Python's ctypes mirrors
+ * can check theirs; -1 for another `which`. */
+int64_t hn_struct_bytes(int64_t which);
+
+/* Every layer of a decode step on the fp32 residual h [rows, hidden], in place, through kv [layers, slots, 2,
+ * kv_heads, head_dim] (layer_stride elements a layer); positions, slots, table and lens as rope_kv_write and
+ * decode_attention take them. */
+int decode_layers_bf16(float *h, int64_t rows, int64_t num_layers, const hn_layer_t *layers, const hn_model_t *model,
+                       uint16_t *kv, int64_t layer_stride, const int64_t *positions, const int64_t *slots,
+                       const int64_t *table, int64_t table_stride, const int64_t *lens, int64_t block,
+                       int64_t threads, int64_t attn_threads);
+int decode_layers_f32(float *h, int64_t rows, int64_t num_layers, const hn_layer_t *layers, const hn_model_t *model,
+                      float *kv, int64_t layer_stride, const int64_t *positions, const int64_t *slots,
+                      const int64_t *table, int64_t table_stride, const int64_t *lens, int64_t block,
+                      int64_t threads, int64_t attn_threads);
 
 /* ---- The logits after the LM head (logits.c) */
 
