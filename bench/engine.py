@@ -274,7 +274,7 @@ class CachedLayersDecode(RunnerDecode):
     @staticmethod
     def applies(ours: Ours) -> bool:
         """Only where decode runs the native int4 layer stack (native/csrc/layers.c), whose pointers it swaps."""
-        return ours.model.native_layers is not None and ours.model.has_int4 and ours.runner.int4_decode
+        return ours.model.native_layers is not None and ours.model.has_packed and ours.runner.packed_decode
 
     def steps(self, n: int) -> list[float]:
         model = self.runner.model
@@ -485,7 +485,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
             emit("decode_1seq_runner_cached_layers_tok_s", cached,
                  "tok/s (the bare runner, every layer reading layer 0's int4 weights from cache; median step)",
                  runner_tok_s=tok_s["runner"], runner_fraction=tok_s["runner"] / cached,
-                 layer_weight_bytes=ours.model.decode_layer_weight_bytes(use_int4=True))
+                 layer_weight_bytes=ours.model.decode_layer_weight_bytes(use_packed=True))
         if llamacpp.NAME in tok_s:
             emit(f"decode_tok_s_{bsz}seq_vs_llama_cpp", tok_s["engine"], "tok/s (Engine.step, median step)",
                  peer=llamacpp.NAME, peer_value=tok_s[llamacpp.NAME], batch=bsz, context_len=CHAT_PROMPT_LEN,
@@ -529,9 +529,9 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
     emit("memory_read_bandwidth_in_turn", gbs_in_turn, "GB/s (median pass, one pass a round of the 1-stream "
          "decode rotation)", passes=len(pass_s), best_pass_gbs=gbs)
     model = ours.model
-    use_int4 = model.has_int4 and ours.runner.int4_decode
-    dense_bytes = model.decode_weight_bytes(use_int4=False)
-    read_bytes = model.decode_weight_bytes(use_int4=True) if use_int4 else dense_bytes
+    use_packed = model.has_packed and ours.runner.packed_decode
+    dense_bytes = model.decode_weight_bytes(use_packed=False)
+    read_bytes = model.decode_weight_bytes(use_packed=True) if use_packed else dense_bytes
     # A step also reads its sequence's K/V, every layer's, up to its position: at the measured steps'
     # median context (the prompt, the warm-up steps, half the measured ones), 5 % of the weights' bytes
     # at this prompt's length in fp32, as much as the weights from ~2,000 tokens.
@@ -543,7 +543,7 @@ def bench_decode(ours: Ours, hf: HF, batches: list[int], steps: int, warmup: int
     # machine, as every other ratio here), and at the run's best pass (the memory at its quietest moment,
     # set against steps taken at other moments: a lower fraction, the stricter reading). The target is
     # on every byte a step reads (weights as decode reads them, and the K/V); the weights alone are shown.
-    read_what = "what a batch-1 step reads of the weights" + (": packed int4 layers + the int8 lm_head" if use_int4
+    read_what = "what a batch-1 step reads of the weights" + (": packed int4 layers + the int8 lm_head" if use_packed
                                                               else "")
     for name, label, weight_bytes, step_kv_bytes, what, target in (
             (f"{dtype}_weights", dtype, dense_bytes, 0, "every weight dense", False),

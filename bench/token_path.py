@@ -129,7 +129,7 @@ class EngineAlone:
 
     name = PEER
 
-    def __init__(self, model, tokenizer, num_blocks: int, int4_decode: bool):
+    def __init__(self, model, tokenizer, num_blocks: int, packed_decode: bool):
         from common.engine.engine import Engine, EngineConfig
         from common.engine.kv_cache import KVCache
         from common.engine.runner import ModelRunner
@@ -137,7 +137,7 @@ class EngineAlone:
         cache = KVCache(model.config, num_blocks, 16, model.dtype, model.device)
         # No prefix cache on either side of these comparisons: they measure the path, and the prompts
         # repeat (the "prefix" section measures the cache).
-        self.engine = Engine(ModelRunner(model, cache, int4_decode), tokenizer,
+        self.engine = Engine(ModelRunner(model, cache, packed_decode), tokenizer,
                              EngineConfig(prefix_caching=False)).start()
         self._n = 0
 
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(resolve_model_path(MODEL))
     prompts = {n: chat_prompt(tokenizer, n) for n in (128, 1024)}
     model = cl.decode[0].model
-    alone = EngineAlone(model, tokenizer, num_blocks=1024, int4_decode=cl.worker_config.int4_decode)
+    alone = EngineAlone(model, tokenizer, num_blocks=1024, packed_decode=cl.worker_config.packed_decode)
     client = ClusterClient(cl.address)
     try:
         rids: dict[int, list[str]] = {}

@@ -88,9 +88,14 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
              "is reused by prompts that share them; a multiple of the block size, the same on every worker", int)
     add_flag(parser, "--prefix-caching", "HANDOFF_PREFIX_CACHING", True,
              "keep the K/V of prompt chunks for later prompts with the same prefix", parse_bool)
-    add_flag(parser, "--int4-decode", "HANDOFF_INT4_DECODE", True,
-             "decode with the GGUF's packed 4-bit weights (fast at small batches); "
-             "false = bf16 matmuls (more throughput at 32+ streams)", parse_bool)
+    add_flag(parser, "--packed-decode", "HANDOFF_PACKED_DECODE", True,
+             "decode with the GGUF's packed weights as stored (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); "
+             "false = the dtype's dense matmuls", parse_bool)
+    add_flag(parser, "--dense-weights", "HANDOFF_DENSE_WEIGHTS", "auto",
+             "dense copies of the packed matrices for prefill's GEMMs: keep (held from load), lazy (made from "
+             "the file layer by layer when a prefill runs: the pod's memory is the file plus the KV pool, "
+             "prefill is slower) or auto (prefill workers keep; decode workers lazy: set keep on decode "
+             "workers that prefill, colocated or conditional)", str)
 
 
 def parse_bool(text: str | bool) -> bool:

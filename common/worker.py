@@ -54,7 +54,8 @@ class WorkerConfig:
     prefill_chunk_tokens: int = 256  # prompts are prefilled in chunks at fixed positions (prefix.py)
     prefix_caching: bool = True  # keep full chunks' K/V for prompts that share a prefix
     max_running: int = 64
-    int4_decode: bool = True  # packed 4-bit decode when the weights are GGUF Q4 (see runner.py)
+    packed_decode: bool = True  # decode reads the GGUF's packed matrices as stored (see model.py)
+    dense_weights: str = "auto"  # keep | lazy | auto: dense copies of the packed matrices for prefill (model.py)
     # decode only
     kv_port: int = 0
     kv_memory_gib: float = 1.0
@@ -71,6 +72,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_memory_gib <= 0:
             raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib}")
+        if self.dense_weights not in ("auto", "keep", "lazy"):
+            raise ValueError(f"dense_weights must be auto, keep or lazy, got {self.dense_weights!r}")
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s:
             raise ValueError("heartbeat_s must be positive and shorter than heartbeat_ttl_s")
         self.tls.check_for_service()
@@ -225,9 +228,14 @@ class WorkerBase:
     def _load_model(self):
         if self._model is None:
             weights = load_weights(self.config.model)
+            # Each pool holds what its phase reads: a prefill worker the dense matrices its GEMMs take and no
+            # packed ones; a decode worker the packed matrices it streams, and the dense ones only if it keeps
+            # them for prefills of its own (colocated, conditional).
+            decodes = self.config.role == "decode"
+            keep = self.config.dense_weights == "keep" or (self.config.dense_weights == "auto" and not decodes)
             self._model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.config.dtype, self.config.device),
-                                device=self.config.device,
-                                int4=weights.int4 if self.config.int4_decode else None)
+                                device=self.config.device, packed=weights.packed,
+                                pack_layers=decodes and self.config.packed_decode, keep_dense=keep)
             self._model.weights_id = weights.weights_id
             del weights
             trim_memory()
@@ -254,7 +262,7 @@ class WorkerBase:
         self.model = self._load_model()
         cache = KVCache(self.model.config, self._num_blocks(), self.config.block_size, self.model.dtype,
                         self.model.device)
-        runner = ModelRunner(self.model, cache, self.config.int4_decode)
+        runner = ModelRunner(self.model, cache, self.config.packed_decode)
         # Readiness (the overall and per-service health) follows the registration: SERVING only while
         # routers can see this worker. Liveness ("liveness") stays SERVING while the process runs and its
         # engine lives, so a Redis outage never gets a busy pod restarted. Made (not started) before the

@@ -81,7 +81,7 @@ class Cluster:
         weights = load_weights(path)
         model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.worker_config.dtype, self.worker_config.device),
                       device=self.worker_config.device,
-                      int4=weights.int4 if self.worker_config.int4_decode else None)
+                      packed=weights.packed, pack_layers=self.worker_config.packed_decode)
         model.weights_id = weights.weights_id
         del weights
         trim_memory()

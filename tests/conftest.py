@@ -85,14 +85,15 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_weights):
-    """A factory of our Llama over the session's weights, one per (dtype, int4): models hold no state."""
+    """A factory of our Llama over the session's weights, one per (dtype, packed): models hold no state."""
     cache: dict = {}
 
-    def get(dtype: torch.dtype = torch.float32, int4: bool = False, native_matmuls: bool | str | None = None) -> Llama:
-        key = (dtype, int4, native_matmuls)
+    def get(dtype: torch.dtype = torch.float32, packed: bool = False,
+            native_matmuls: bool | str | None = None) -> Llama:
+        key = (dtype, packed, native_matmuls)
         if key not in cache:
             w = smollm2_weights
-            model = Llama(w.config, w.tensors, dtype=dtype, int4=w.int4 if int4 else None,
+            model = Llama(w.config, w.tensors, dtype=dtype, packed=w.packed if packed else None,
                           native_matmuls=native_matmuls)
             model.weights_id = w.weights_id
             cache[key] = model
@@ -103,26 +104,26 @@ def smollm2_model(smollm2_weights):
 
 @pytest.fixture(scope="session")
 def make_runner(smollm2_model):
-    """make_runner(num_blocks, dtype=fp32, block_size=16, int4_decode=False, native_matmuls=None) → a
+    """make_runner(num_blocks, dtype=fp32, block_size=16, packed_decode=False, native_matmuls=None) → a
     ModelRunner with a fresh cache (native_matmuls: see Llama; None picks by the CPU, as a worker does)."""
 
     def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, block_size: int = 16,
-             int4_decode: bool = False, native_matmuls: bool | str | None = None) -> ModelRunner:
-        model = smollm2_model(dtype, int4=int4_decode, native_matmuls=native_matmuls)
-        assert not int4_decode or model.has_int4, "the int4 path needs bf16 and a Q4 GGUF"
+             packed_decode: bool = False, native_matmuls: bool | str | None = None) -> ModelRunner:
+        model = smollm2_model(dtype, packed=packed_decode, native_matmuls=native_matmuls)
+        assert not packed_decode or model.has_packed, "the packed path needs a GGUF of packed formats"
         cache = KVCache(model.config, num_blocks, block_size, dtype)
-        return ModelRunner(model, cache, int4_decode)
+        return ModelRunner(model, cache, packed_decode)
 
     return make
 
 
 @pytest.fixture(scope="session")
 def make_engine(make_runner, smollm2_tokenizer):
-    """make_engine(num_blocks=256, dtype=fp32, int4_decode=False, **EngineConfig fields) → an Engine (not started)."""
+    """make_engine(num_blocks=256, dtype=fp32, packed_decode=False, **EngineConfig fields) → an Engine (not started)."""
 
-    def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, int4_decode: bool = False,
+    def make(num_blocks: int = 256, dtype: torch.dtype = torch.float32, packed_decode: bool = False,
              block_size: int = 16, **config) -> Engine:
-        runner = make_runner(num_blocks, dtype, block_size, int4_decode)
+        runner = make_runner(num_blocks, dtype, block_size, packed_decode)
         return Engine(runner, smollm2_tokenizer, EngineConfig(**config))
 
     return make

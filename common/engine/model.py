@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,12 +19,22 @@ import torch.nn.functional as F
 from common.engine import native, pages
 from common.engine.config import ModelConfig
 from common.engine.native.bindings import ACTIVATIONS, DecodeKernels, HnLayer, HnModel, hn_layer
-from common.engine.native.choice import MATMUL_MODES, Q4_INDEX, Q4_LAYOUT, matmuls_mode, runnable_mode
+from common.engine.native.choice import MATMUL_MODES, Q4_INDEX, Q4_LAYOUT, matmuls_mode, quant_unit, runnable_mode
 from common.engine.native.header import DEFINES
 from common.engine.native.packing import pack_q4, pack_q8
-from common.engine.weights import release_freed_pages
+from common.engine.quant_linear import QuantLinear
+from common.engine.weights import Int4Weight, QuantRows, release_freed_pages
 
 log = logging.getLogger(__name__)
+
+# A layer's matrices as the model holds them (fused: one product for q, k and v, one for gate and up) and
+# their parts by canonical name (weights.expected_shapes), after "model.layers.{i}.".
+LAYER_MATRICES = {
+    "wqkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "wo": ("self_attn.o_proj.weight",),
+    "w13": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "w2": ("mlp.down_proj.weight",),
+}
 
 
 @dataclass
@@ -39,7 +50,7 @@ class AttnContext:
     # decode: one token per sequence, attending to its whole context through its block table.
     context_slots: torch.Tensor | None = None  # decode: [B * S] KV slots of each row's context, padded to S
     attn_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, True = attend; a continued chunk: [T, end]
-    use_int4: bool = False  # decode reads packed 4-bit weights: a quarter of the bytes
+    use_packed: bool = False  # decode reads packed 4-bit weights: a quarter of the bytes
     # decode with the native kernels (Llama.kernels) instead of context_slots and attn_mask: each row
     # reads its own blocks in place, positions 0 .. lens[row]-1.
     block_tables: torch.Tensor | None = None  # [B, blocks] int64
@@ -190,22 +201,36 @@ class Llama(torch.nn.Module):
 
     REFINE_TOP = 64  # logits recomputed in fp32 when the model runs in a 16-bit dtype
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 int4: dict | None = None, native_matmuls: bool | str | None = None):
-        """native_matmuls: how the packed weights are multiplied, one of native.choice.MATMUL_MODES ("int":
+                 packed: Mapping[str, QuantRows] | None = None, native_matmuls: bool | str | None = None, *,
+                 pack_layers: bool = True, keep_dense: bool = True):
+        """tensors: the checkpoint's weights by canonical name (weights.py), fp32; packed: a GGUF's quantized
+        matrices as stored (LoadedWeights.packed).
+
+        Which form each weight is held in, so that each pool holds what its phase reads:
+        - pack_layers: decode multiplies the layers' matrices packed as the file stores them (Q4_0 / Q4_1:
+          Int4Linear; Q8_0, Q4_K, Q5_K, Q6_K: QuantLinear), where the file has them so and the native kernels
+          run here; other formats stay dense. A prefill worker, which never decodes, sets it False.
+        - keep_dense: prefill's GEMMs read dense copies of the packed matrices, held from load (True), or made
+          from the file each time a prefill runs, layer by layer (False: a decode worker that only decodes,
+          whose memory is then the file's bytes; its rare prefill, a preempted sequence recomputed, is slower
+          and gives the same bits). A matrix with no packed form is held dense either way.
+        - the LM head and the embedding are read packed wherever the file stores them in a format the kernels
+          take (Q8_0 and the K-quants), in every role alike: the logits, and the tokens, of a row then do not
+          depend on the role of the worker computing them (invariant 4: same inputs, same tokens).
+
+        native_matmuls: how the packed Q4 weights are multiplied, one of native.choice.MATMUL_MODES ("int":
         the native integer kernel, also True; "bf16dot": its bf16 dot kernel; "f32": its fp32 one; "vnni":
-        its int8 digit kernel; "amx": that kernel with AMX tiles from 13 rows (the same bits);
-        "torch": torch's int4 kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by
-        default by the CPU); attention and the row-wise ops are native either way, where the library
-        builds."""
+        its int8 digit kernel; "amx": that kernel with AMX tiles from 13 rows (the same bits); "torch":
+        torch's int4 kernel and torch._int_mm, also False; None: as HANDOFF_NATIVE_MATMUL says, by default by
+        the CPU); attention and the row-wise ops are native either way, where the library builds."""
         super().__init__()
         self.config = c = config
         self.dtype = dtype
         self.device = torch.device(device)
-        # The int4 kernel runs on the CPU (bf16 activations, converted from fp32 when the model is fp32);
-        # GGUF Q4 files give exact codes.
-        self.has_int4 = bool(int4) and self.device.type == "cpu"
+        packed = packed or {}
+        self._tensors = tensors  # read again for the dense matrices not kept (keep_dense False)
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype).contiguous()
@@ -223,7 +248,7 @@ class Llama(torch.nn.Module):
         mode = {True: "int", False: "torch"}.get(native_matmuls, native_matmuls)
         if mode is None:
             mode, why = matmuls_mode()
-            if self.kernels is not None and self.has_int4:
+            if self.kernels is not None and packed and pack_layers:
                 log.info("decode's packed-weight matmuls: %s", why)
         if mode not in MATMUL_MODES:
             raise ValueError(f"native_matmuls={native_matmuls!r}: use one of {MATMUL_MODES}, True or False")
@@ -234,30 +259,48 @@ class Llama(torch.nn.Module):
         # The packed weights decode streams every step, together in huge pages (common/engine/pages.py).
         self.weight_arena = pages.WeightArena() if matmul_kernels is not None else None
 
-        def w4(*names: str) -> Int4Linear | None:
-            if not self.has_int4 or any(n not in int4 for n in names):
-                return None
-            return Int4Linear([int4[n] for n in names], device, matmul_kernels, self.matmuls, self.weight_arena)
+        unit = quant_unit(self.matmuls, matmul_kernels) if matmul_kernels is not None else "avx2"
 
-        self.embed = w("model.embed_tokens.weight")  # [V, dim]
-        self.lm_head = self.embed if c.tie_embeddings else w("lm_head.weight")
+        def packed_linear(names: tuple[str, ...]) -> Int4Linear | QuantLinear | None:
+            if self.device.type != "cpu" or any(n not in packed for n in names):
+                return None
+            parts = [packed[n] for n in names]
+            if all(part.qtype in ("Q4_0", "Q4_1") for part in parts):
+                return Int4Linear([Int4Weight.from_rows(part) for part in parts], device, matmul_kernels,
+                                  self.matmuls, self.weight_arena)
+            return QuantLinear.create(parts, matmul_kernels, unit, self.weight_arena)
+
+        # The LM head and the embedding: packed where the kernels take the file's format (they then give the
+        # embedding's rows and the refined logits exactly as stored); else dense, with decode's int8 head.
+        def row_linear(name: str) -> QuantLinear | None:
+            if self.device.type != "cpu" or name not in packed:
+                return None
+            return QuantLinear.create([packed[name]], matmul_kernels, unit, self.weight_arena)
+
         head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
-        head_fp32 = w32(head)  # read once: the refinement's exact copy and the int8 head's source
-        self.lm_head_fp32 = None if dtype == torch.float32 else head_fp32
-        # Decode's LM head on the CPU: int8 rows (row-invariant at any batch, half the bytes of bf16); the best
-        # REFINE_TOP logits of every row are then recomputed exactly in fp32. Off the CPU decode uses the
-        # dtype's dense head in fixed row blocks (dense_rows) instead: torch's int8 weight-only kernel is
-        # not built for every device, and a GPU reads the 16-bit head fast enough.
-        self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels, self.weight_arena) \
-            if self.device.type == "cpu" else None
-        del head_fp32
+        self.head_packed = row_linear(head)
+        self.embed_packed = self.head_packed if c.tie_embeddings else row_linear("model.embed_tokens.weight")
+        self.embed = w("model.embed_tokens.weight") if self.embed_packed is None else None  # [V, dim]
+        self.lm_head = self.lm_head_fp32 = self.lm_head_int8 = None
+        if self.head_packed is None:
+            self.lm_head = self.embed if c.tie_embeddings and self.embed is not None else w(head)
+            head_fp32 = w32(head)  # read once: the refinement's exact copy and the int8 head's source
+            self.lm_head_fp32 = None if dtype == torch.float32 else head_fp32
+            # Decode's LM head on the CPU: int8 rows (row-invariant at any batch, half the bytes of bf16); the
+            # best REFINE_TOP logits of every row are then recomputed exactly in fp32. Off the CPU decode uses
+            # the dtype's dense head in fixed row blocks (dense_rows) instead: torch's int8 weight-only kernel
+            # is not built for every device, and a GPU reads the 16-bit head fast enough.
+            self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels, self.weight_arena) \
+                if self.device.type == "cpu" else None
+            del head_fp32
         release_freed_pages()
         self.final_norm = w32("model.norm.weight")
         arch = c.arch
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(dict(
+            layer = dict(
+                index=i,
                 attn_norm=w32(p + "input_layernorm.weight"),
                 bqkv=torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
                                 w(p + "self_attn.v_proj.bias")]) if c.qkv_bias else None,
@@ -265,19 +308,18 @@ class Llama(torch.nn.Module):
                 k_norm=w32(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
                 attn_post_norm=w32(p + "post_attention_norm.weight") if arch.post_norms else None,
                 mlp_post_norm=w32(p + "post_feedforward_layernorm.weight") if arch.post_norms else None,
-                wqkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                w(p + "self_attn.v_proj.weight")]),  # [(H + 2 Hkv) * D, dim]
-                wo=w(p + "self_attn.o_proj.weight"),
                 mlp_norm=w32(p + "post_attention_layernorm.weight"),
-                w13=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),  # [2 F, dim]
-                w2=w(p + "mlp.down_proj.weight"),
-                wqkv4=w4(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                         p + "self_attn.v_proj.weight"),
-                wo4=w4(p + "self_attn.o_proj.weight"),
-                w134=w4(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                w24=w4(p + "mlp.down_proj.weight"),
-            ))
+            )
+            for name, parts in LAYER_MATRICES.items():  # wqkv [(H + 2 Hkv) * D, dim], wo, w13 [2 F, dim], w2
+                names = tuple(p + part for part in parts)
+                layer[name + "_packed"] = packed_linear(names) if pack_layers else None
+                keep = keep_dense or layer[name + "_packed"] is None
+                layer[name] = torch.cat([w(n) for n in names]) if keep else None  # None: _dense reads the file
+            self.layers.append(layer)
             release_freed_pages()  # the layer's temporary fp32 copies: peak memory stays near the model's
+        self.has_packed = any(layer[name + "_packed"] is not None for layer in self.layers for name in LAYER_MATRICES)
+        if all(layer[name] is not None for layer in self.layers for name in LAYER_MATRICES):
+            self._tensors = None  # every dense matrix is held: nothing to read again (an HF folder's fp32 set goes)
         cos, sin = rope_tables(c, c.max_position, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         # Sliding-window layers with a rotary base of their own (Gemma 3) read their own tables.
@@ -303,7 +345,7 @@ class Llama(torch.nn.Module):
 
     def _layer_descriptors(self) -> ctypes.Array | None:
         """Every layer as layers.c's hn_layer_t, or None where some matrix is not packed for the native kernels."""
-        packed = [[None if layer[n] is None else layer[n].descriptor() for n in ("wqkv4", "wo4", "w134", "w24")]
+        packed = [[None if layer[n] is None else layer[n].descriptor() for n in ("wqkv_packed", "wo_packed", "w13_packed", "w2_packed")]
                   for layer in self.layers]
         if not all(d is not None for matrices in packed for d in matrices):
             return None
@@ -322,33 +364,63 @@ class Llama(torch.nn.Module):
         return self.lm_head if self.lm_head_fp32 is None else self.lm_head_fp32
 
     def weight_bytes(self) -> int:
-        ts = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        ts += [t for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in ts)
+        """Bytes of every weight the model holds, in whatever form (dense, packed)."""
+        dense = [self.embed, self.final_norm, self.lm_head if self.lm_head is not self.embed else None,
+                 self.lm_head_fp32]
+        dense += [t for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor)]
+        packed = [self.lm_head_int8, self.head_packed, self.embed_packed if self.embed_packed is not self.head_packed
+                  else None]
+        packed += [layer[name + "_packed"] for layer in self.layers for name in LAYER_MATRICES]
+        return (sum(t.numel() * t.element_size() for t in dense if t is not None)
+                + sum(linear.nbytes for linear in packed if linear is not None))
 
-    def decode_weight_bytes(self, use_int4: bool) -> int:
+    def decode_weight_bytes(self, use_packed: bool) -> int:
         """Bytes of weights one decode step reads (the embedding row gather aside)."""
-        head = self.lm_head_int8.nbytes if self.lm_head_int8 is not None else \
-            self.lm_head.numel() * self.lm_head.element_size()
-        return head + self.decode_layer_weight_bytes(use_int4)
+        if self.head_packed is not None:
+            head = self.head_packed.nbytes
+        elif self.lm_head_int8 is not None:
+            head = self.lm_head_int8.nbytes
+        else:
+            head = self.lm_head.numel() * self.lm_head.element_size()
+        return head + self.decode_layer_weight_bytes(use_packed)
 
-    def decode_layer_weight_bytes(self, use_int4: bool) -> int:
+    def decode_layer_weight_bytes(self, use_packed: bool) -> int:
         """Bytes of the layers' matmul weights one decode step reads (the LM head aside)."""
         total = 0
         for layer in self.layers:
-            for name in ("wqkv", "wo", "w13", "w2"):
-                packed = layer[name + "4"] if use_int4 else None
-                total += packed.nbytes if packed is not None else layer[name].numel() * layer[name].element_size()
+            for name in LAYER_MATRICES:
+                packed = layer[name + "_packed"] if use_packed else None
+                total += packed.nbytes if packed is not None else self._matrix_numel(name) * self.dtype.itemsize
         return total
 
-    @staticmethod
-    def _linear(x: torch.Tensor, layer: dict, name: str, ctx: AttnContext) -> torch.Tensor:
-        packed = layer[name + "4"]
-        if ctx.use_int4 and packed is not None:
+    def _matrix_numel(self, name: str) -> int:
+        c = self.config
+        q, kv, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        return {"wqkv": (q + 2 * kv) * c.hidden_size, "wo": c.hidden_size * q, "w13": 2 * f * c.hidden_size,
+                "w2": c.hidden_size * f}[name]
+
+    def _linear(self, x: torch.Tensor, layer: dict, name: str, ctx: AttnContext) -> torch.Tensor:
+        packed = layer[name + "_packed"]
+        if ctx.use_packed and packed is not None:
             return packed(x)
+        weight = layer[name] if layer[name] is not None else self._dense(layer["index"], name)
         if ctx.prefill_lens is None:
-            return dense_rows(x, layer[name])  # decode: rows independent of their company
-        return F.linear(x, layer[name])
+            return dense_rows(x, weight)  # decode: rows independent of their company
+        return F.linear(x, weight)
+
+    def _dense(self, i: int, name: str) -> torch.Tensor:
+        """Layer i's matrix `name` in the model's dtype, made from the file now (keep_dense False): the same
+        operations, so the same bits, as the copy a worker that keeps them made at load."""
+        p = f"model.layers.{i}."
+        return torch.cat([self._tensors[p + part].to(device=self.device, dtype=self.dtype).contiguous()
+                          for part in LAYER_MATRICES[name]])
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The fp32 residual stream's start: the tokens' embedding rows, rounded to the model's dtype (as a
+        dense embedding in that dtype holds them, so both forms give the same bits)."""
+        if self.embed is not None:
+            return self.embed.index_select(0, input_ids).float()
+        return self.embed_packed.rows(input_ids).to(self.dtype).float()
 
     def _rms_norm(self, x: torch.Tensor, weight_fp32: torch.Tensor) -> torch.Tensor:
         # x is the fp32 residual stream: it carries outliers (~2.5e4 in SmolLM2) next to which a
@@ -371,10 +443,10 @@ class Llama(torch.nn.Module):
         # decode path run them as torch ops. The same layer either way.
         native_ops = self.kernels if ctx.block_tables is not None else None
         # The residual stream stays fp32 (adds promote for free); only matmul inputs are 16-bit.
-        h = self.embed.index_select(0, input_ids).float()  # [N, dim]
+        h = self._embed(input_ids)  # [N, dim]
         if self.embed_scale is not None:
             h.mul_(self.embed_scale)
-        if native_ops is not None and ctx.use_int4 and self.native_layers is not None:
+        if native_ops is not None and ctx.use_packed and self.native_layers is not None:
             # The same layers in one native call (the per-op path below, on the same kernels, bit for bit).
             native_ops.decode_layers(h, self.native_layers, self.native_model, kv, positions, ctx.slot_mapping,
                                      ctx.block_tables, ctx.lens, ctx.longest, ctx.block_size)
@@ -540,6 +612,8 @@ class Llama(torch.nn.Module):
         would be decided by rounding (SmolLM2 ties "The" and "L" on a plain question). The
         REFINE_TOP best are recomputed exactly from fp32 weights: cheap, and greedy is then exact.
         """
+        if self.head_packed is not None:
+            return self._packed_logits(hidden)
         logits = F.linear(hidden.to(self.dtype), self.lm_head).float()
         if self.lm_head_fp32 is None:
             return self._softcap(logits)
@@ -550,8 +624,11 @@ class Llama(torch.nn.Module):
 
         The int8 head (int8 activations too, on the CPU) approximates every logit (within ~5 % of the
         row's largest, 0.1 on average for SmolLM2); the REFINE_TOP best are then exact fp32, so greedy
-        decoding is exact and sampling differs only in the tail.
+        decoding is exact and sampling differs only in the tail. A packed head (the file's Q8_0 or K-quant
+        blocks) gives prefill and decode the same logits (_packed_logits).
         """
+        if self.head_packed is not None:
+            return self._packed_logits(hidden)
         if self.lm_head_int8 is None:  # off the CPU: the dense head, each row in a block of fixed size
             logits = dense_rows(hidden.to(self.dtype), self.lm_head).float()
         else:
@@ -560,6 +637,19 @@ class Llama(torch.nn.Module):
             return self._softcap(self.kernels.refine_top(logits.contiguous(), hidden.float().contiguous(),
                                                          self.lm_head_exact, self.REFINE_TOP))
         return self._softcap(self._refine(logits, hidden))
+
+    def _packed_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V] through the packed head: every logit from the file's blocks and the row quantized
+        to 16 bits a block of 32 (within ~1e-4 of the exact value), then the REFINE_TOP best recomputed in fp32
+        from the head's rows as the file stores them. The same function for prefill and decode, and for every
+        role, so a row's tokens never depend on where it was computed."""
+        hidden = hidden.float().contiguous()
+        logits = self.head_packed(hidden).float()
+        idx = logits.topk(self.REFINE_TOP, dim=-1).indices  # [B, K]
+        rows = self.head_packed.rows(idx.reshape(-1)).view(*idx.shape, -1)  # [B, K, dim]
+        # A product and a sum over the last dim: a row's values do not depend on the other rows.
+        exact = (rows * hidden.unsqueeze(1)).sum(-1)
+        return self._softcap(logits.scatter_(1, idx, exact))
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma 2's final soft-cap, tanh(logits / cap) * cap, in place as HF computes it (it keeps the order
@@ -578,8 +668,17 @@ class Llama(torch.nn.Module):
         get the full fp32 product, one row at a time (~9 ms a row on one core here; a padded block of 8
         rows costs 4-6x that), which also keeps a row's values independent of the others.
         """
-        return torch.cat([F.log_softmax(self._softcap(F.linear(row, self.lm_head_exact)), dim=-1)
-                          for row in hidden.float().split(1)])
+        if self.head_packed is None:
+            return torch.cat([F.log_softmax(self._softcap(F.linear(row, self.lm_head_exact)), dim=-1)
+                              for row in hidden.float().split(1)])
+        # The packed head's exact rows, a slice of the vocabulary at a time (no dense copy is held).
+        vocab, step = self.config.vocab_size, 8192
+        out = torch.empty(hidden.shape[0], vocab)
+        for start in range(0, vocab, step):
+            rows = self.head_packed.rows(torch.arange(start, min(start + step, vocab)))  # [n, dim]
+            for r, row in enumerate(hidden.float().split(1)):
+                out[r, start:start + rows.shape[0]] = F.linear(row, rows)[0]
+        return F.log_softmax(self._softcap(out), dim=-1)
 
     def _refine(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         idx = logits.topk(self.REFINE_TOP, dim=-1).indices  # [B, K]

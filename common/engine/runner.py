@@ -51,7 +51,7 @@ class DecodeItem:
 class ModelRunner:
     """Owns the model and its KV cache; callers own allocation through `cache.pool`."""
 
-    def __init__(self, model: Llama, cache: KVCache, int4_decode: bool = True):
+    def __init__(self, model: Llama, cache: KVCache, packed_decode: bool = True):
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -59,7 +59,7 @@ class ModelRunner:
         # only at some: bf16 and int4 matmuls each give a row the same bits whatever else is in the
         # batch, but switching between them by batch size would make a request's tokens depend on
         # its company. bf16 decode (False) has more throughput at 32+ sequences, less at 1-8.
-        self.int4_decode = int4_decode
+        self.packed_decode = packed_decode
         self._offsets = torch.arange(max(model.config.max_position + ATTN_SPAN_MULTIPLE, cache.block_size),
                                      device=self.device)
         # The fp32 final hidden states [R, dim] of the rows the last prefill() or decode() returned logits
@@ -70,16 +70,16 @@ class ModelRunner:
     @classmethod
     def load(cls, model_name: str | Path, *, dtype: str = "auto", num_blocks: int,
              block_size: int = 16, device: str = "cpu", progress: bool = True,
-             int4_decode: bool = True) -> "ModelRunner":
+             packed_decode: bool = True) -> "ModelRunner":
         weights = load_weights(model_name, progress=progress)
         torch_dtype = parse_dtype(dtype, device)
         model = Llama(weights.config, weights.tensors, dtype=torch_dtype, device=device,
-                      int4=weights.int4 if int4_decode else None)
+                      packed=weights.packed, pack_layers=packed_decode)
         model.weights_id = weights.weights_id
         del weights
         trim_memory()
         cache = KVCache(model.config, num_blocks, block_size, torch_dtype, device)
-        return cls(model, cache, int4_decode)
+        return cls(model, cache, packed_decode)
 
     def _tensor(self, values) -> torch.Tensor:
         """An int64 index tensor of a step on the model's device. To CUDA through page-locked memory: a copy
@@ -135,7 +135,7 @@ class ModelRunner:
         tables = [pool.block_table(it.seq_id) for it in items]
         ctx_lens = [it.position + 1 for it in items]
         slots = [t[it.position // bs] * bs + it.position % bs for t, it in zip(tables, items)]
-        ctx = AttnContext(slot_mapping=self._tensor(slots), use_int4=self.model.has_int4 and self.int4_decode)
+        ctx = AttnContext(slot_mapping=self._tensor(slots), use_packed=self.model.has_packed and self.packed_decode)
         if self.model.kernels is not None:
             # The kernel reads each row's own blocks, up to its own length: no padding, no mask.
             ctx.block_tables = self._block_tables(tables, -(-max(ctx_lens) // bs))

@@ -35,7 +35,7 @@ def cluster():
     # fp32 with dense decode: the configuration whose greedy output must equal HF's token for token.
     # (The default configuration is proven against the engine alone in test_worker_contract.py.)
     c = Cluster(num_prefill=1, num_decode=2, dtype="fp32", kv_memory_gib=0.25, threads=1,
-                worker=WorkerConfig(role="prefill", int4_decode=False)).start()
+                worker=WorkerConfig(role="prefill", packed_decode=False)).start()
     yield c
     c.stop()
 
@@ -54,7 +54,7 @@ def generate(stub, timeout=120, **fields):
 
 def engine_alone_greedy(cluster, prompt_ids, max_tokens):
     runner = ModelRunner(cluster.decode[0].model, KVCache(cluster.decode[0].model.config, 64, 16,
-                                                          torch.float32), int4_decode=False)
+                                                          torch.float32), packed_decode=False)
     engine = Engine(runner, cluster.decode[0].tokenizer, EngineConfig())
     events = []
     engine.submit("solo", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),

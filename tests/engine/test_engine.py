@@ -335,13 +335,13 @@ def test_imported_kv_too_big_for_pool_errors_and_others_are_served(make_engine, 
     assert_all_free(decode)
 
 
-@pytest.mark.parametrize("int4_decode", [False, True], ids=["bf16", "bf16+int4"])
-def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, int4_decode):
+@pytest.mark.parametrize("packed_decode", [False, True], ids=["bf16", "bf16+int4"])
+def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, packed_decode):
     """Invariant 4 in the serving dtype: a sequence's greedy tokens are the same alone and decoded
     beside others of different lengths (one weight format at every batch size)."""
     # On AVX2 hosts the serving cases below (fp32+int4, fp32) cover both.
-    skip_where_bf16_is_emulated("bf16+int4 decode" if int4_decode else "dense bf16 decode")
-    kw = dict(dtype=torch.bfloat16, int4_decode=int4_decode, block_size=BLOCK)
+    skip_where_bf16_is_emulated("bf16+int4 decode" if packed_decode else "dense bf16 decode")
+    kw = dict(dtype=torch.bfloat16, packed_decode=packed_decode, block_size=BLOCK)
     solo = {n: generate(make_engine(num_blocks=64, **kw), {n: (ids, GREEDY)})[n].token_ids
             for n, ids in prompts.items()}
     together = generate(make_engine(num_blocks=256, **kw), {n: (ids, GREEDY) for n, ids in prompts.items()})
@@ -353,7 +353,7 @@ def test_bf16_tokens_do_not_depend_on_the_batch(make_engine, prompts, int4_decod
 # What a worker runs by default: packed int4 decode over bf16 (hosts with native bf16) or fp32 (the
 # others; `--dtype auto`); dense fp32 decode is the extra case.
 
-SERVING = [dict(dtype=torch.bfloat16, int4_decode=True), dict(dtype=torch.float32, int4_decode=True),
+SERVING = [dict(dtype=torch.bfloat16, packed_decode=True), dict(dtype=torch.float32, packed_decode=True),
            dict(dtype=torch.float32)]
 SERVING_IDS = ["bf16+int4", "fp32+int4", "fp32"]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, seed=20261201, max_tokens=N, ignore_eos=True)

@@ -79,7 +79,7 @@ def make(model, smollm2_tokenizer):
 
     def build(num_blocks: int = 64, **config) -> Engine:
         cache = KVCache(model.config, num_blocks, BLOCK, model.dtype, model.device)
-        engine = Engine(ModelRunner(model, cache, int4_decode=False), smollm2_tokenizer, EngineConfig(**config))
+        engine = Engine(ModelRunner(model, cache, packed_decode=False), smollm2_tokenizer, EngineConfig(**config))
         engines.append(engine)
         return engine
 

@@ -55,12 +55,12 @@ def test_auto_on_this_machine_follows_its_flags_and_says_why(caplog):
     assert "dtype auto" in caplog.text
 
 
-def test_int4_decode_over_fp32_gives_the_greedy_answer_of_fp32(make_engine, chat_ids, smollm2_tokenizer):
+def test_packed_decode_over_fp32_gives_the_greedy_answer_of_fp32(make_engine, chat_ids, smollm2_tokenizer):
     """On hosts without native bf16 the default is fp32 weights with packed int4 decode (the kernel
     converts activations to bf16): the answer must stay right."""
     from tests.support.engine import CHAT_QUESTION, first_greedy_tokens
     ids = chat_ids(CHAT_QUESTION)
     fp32 = first_greedy_tokens(make_engine, ids, 8)
-    int4 = first_greedy_tokens(make_engine, ids, 8, dtype=torch.float32, int4_decode=True)
+    int4 = first_greedy_tokens(make_engine, ids, 8, dtype=torch.float32, packed_decode=True)
     assert smollm2_tokenizer.decode(int4).startswith("The capital of France is Paris")
     assert int4 == fp32

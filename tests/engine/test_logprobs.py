@@ -98,8 +98,8 @@ def test_the_int8_decode_head_alone_would_miss_1e4(make_runner, smollm2_tokenize
     assert (exact.gather(1, top) - approx.gather(1, top)).abs().max().item() > TOL
 
 
-@pytest.mark.parametrize("config", [dict(dtype=torch.float32, int4_decode=True), dict(dtype=torch.float32),
-                                    dict(dtype=torch.bfloat16, int4_decode=True)],
+@pytest.mark.parametrize("config", [dict(dtype=torch.float32, packed_decode=True), dict(dtype=torch.float32),
+                                    dict(dtype=torch.bfloat16, packed_decode=True)],
                          ids=["fp32+int4", "fp32", "bf16+int4"])
 def test_asking_for_logprobs_changes_no_token(make_engine, chat_ids, smollm2_tokenizer, config):
     """Greedy and seeded requests give the same tokens with and without logprobs, batched together."""

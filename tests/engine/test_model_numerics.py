@@ -98,12 +98,12 @@ def test_greedy_continuations_match_hf_generate(make_engine, hf_smollm2, smollm2
                                            f"vs HF {tok.decode(expected)!r}")
 
 
-@pytest.mark.parametrize("int4_decode", [False, True], ids=["bf16", "bf16+int4"])
-def test_bf16_greedy_matches_fp32(make_engine, smollm2_tokenizer, chat_ids, int4_decode):
+@pytest.mark.parametrize("packed_decode", [False, True], ids=["bf16", "bf16+int4"])
+def test_bf16_greedy_matches_fp32(make_engine, smollm2_tokenizer, chat_ids, packed_decode):
     ids = chat_ids(CHAT_QUESTION)
     fp32 = first_greedy_tokens(make_engine, ids, 8)
     assert smollm2_tokenizer.decode(fp32).startswith("The capital of France is Paris")
-    bf16 = first_greedy_tokens(make_engine, ids, 8, dtype=torch.bfloat16, int4_decode=int4_decode)
+    bf16 = first_greedy_tokens(make_engine, ids, 8, dtype=torch.bfloat16, packed_decode=packed_decode)
     assert bf16 == fp32, f"bf16: {smollm2_tokenizer.decode(bf16)!r}, fp32: {smollm2_tokenizer.decode(fp32)!r}"
 
 
@@ -168,10 +168,10 @@ def test_a_decode_row_is_the_same_whatever_the_other_rows(make_runner, smollm2_t
         pytest.skip("no bf16 dot kernel here (the CPU has no AVX512_BF16, or the compiler is not GCC 10+)")
     if matmuls == "avx2" and not (native.kernel() is not None and native.kernel().has_avx2_digits):
         pytest.skip("no int8 digit kernels here (the compiler is not GCC 11+, or the build has no AVX2)")
-    runner = make_runner(num_blocks=1024, dtype=dtype, int4_decode=int4,
+    runner = make_runner(num_blocks=1024, dtype=dtype, packed_decode=int4,
                          native_matmuls=None if matmuls == "auto" else matmuls)
     if matmuls != "auto":
-        layer = runner.model.layers[0]["wqkv4"]
+        layer = runner.model.layers[0]["wqkv_packed"]
         assert (layer.kernels is not None) == (matmuls != "torch") and layer.kernel == matmuls
     if paged:
         assert runner.model.kernels is not None, "the native kernels did not build: see the log"
@@ -206,7 +206,7 @@ def _runner_on(weights, matmuls: str):
     from common.engine.hardware import auto_dtype
     from common.engine.runner import ModelRunner
     dtype = auto_dtype()[0]
-    model = Llama(weights.config, weights.tensors, dtype=dtype, int4=weights.int4, native_matmuls=matmuls)
+    model = Llama(weights.config, weights.tensors, dtype=dtype, packed=weights.packed, native_matmuls=matmuls)
     return ModelRunner(model, KVCache(model.config, 256, 16, dtype), True)
 
 
@@ -266,7 +266,7 @@ def test_a_node_without_vnni_runs_the_avx2_unit_with_the_same_logits_and_without
             caplog.clear()
             runner = _runner_on(smollm2_weights, asked)
             assert runner.model.matmuls == want and message in caplog.text, (asked, caplog.text)
-        layer = runner.model.layers[0]["wqkv4"]
+        layer = runner.model.layers[0]["wqkv_packed"]
         assert layer.kernel == want and layer.packed.shape[-1] == Q4_RECORD
         other = _decode_16_rows(runner)
         assert (other.argmax(-1) == widest.argmax(-1)).float().mean() >= 0.9  # another kernel's bits

@@ -94,12 +94,14 @@ def test_the_digit_layout_unpacks_to_the_files_codes_and_scales():
 
 @needs_madvise_mode
 def test_a_models_packed_weights_and_kv_pool_are_in_eligible_mappings(make_runner):
-    runner = make_runner(num_blocks=64, dtype=torch.bfloat16, int4_decode=True)
+    runner = make_runner(num_blocks=64, dtype=torch.bfloat16, packed_decode=True)
     model = runner.model
     if model.weight_arena is None:
         pytest.skip("no native matmuls here: the packed weights are torch's")
-    packed = [model.lm_head_int8.codes] + [layer[n].packed for layer in model.layers
-                                           for n in ("wqkv4", "wo4", "w134", "w24")]
+    head = ([model.lm_head_int8.codes] if model.lm_head_int8 is not None
+            else [p for _, p, _ in model.head_packed.segments])  # a quantized file's head stays in its rows
+    packed = head + [layer[n].packed for layer in model.layers
+                     for n in ("wqkv_packed", "wo_packed", "w13_packed", "w2_packed")]
     chunks = [(c.data_ptr(), c.data_ptr() + c.numel()) for c in model.weight_arena.chunks]
     assert all(any(lo <= t.data_ptr() and t.data_ptr() + t.numel() <= hi for lo, hi in chunks) for t in packed)
     assert all(_eligible(c) for c in model.weight_arena.chunks)

@@ -60,7 +60,7 @@ def test_sentencepiece_llama_end_to_end(sp_folder):
     assert any(tok.id_to_piece(i).startswith("<0x") for i in prompt_ids)
 
     runner = ModelRunner.load(sp_folder, dtype="fp32", num_blocks=32, block_size=4, progress=False,
-                              int4_decode=False)
+                              packed_decode=False)
     assert runner.model.config.vocab_size == tok.vocab_size
     engine = Engine(runner, tok)
     sinks = Sinks()

@@ -25,7 +25,7 @@ MIN_REMOTE_TOKENS = 64  # conditional: SPECS' prompts stay local, the long ones 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
     c = ProcCluster(tmp_path_factory.mktemp("coloc"), num_prefill=0, num_decode=2,
-                    env={"HANDOFF_PREFILL_MODE": "colocated"}).start()
+                    env={"HANDOFF_PREFILL_MODE": "colocated", "HANDOFF_DENSE_WEIGHTS": "keep"}).start()
     yield c
     c.stop()
 
@@ -42,7 +42,7 @@ def test_kill_prefill_worker_conditional_falls_back_to_decode(tmp_path):
     # bf16 but not in fp32 (46 KB a token: 72 blocks each), the dtype auto picks on hosts without native
     # bf16; the test is about the fallback, not about queueing for KV.
     procs = ProcCluster(tmp_path, num_prefill=1, num_decode=2, kv_memory_gib=0.1,
-                        env={"HANDOFF_PREFILL_MODE": "conditional",
+                        env={"HANDOFF_PREFILL_MODE": "conditional", "HANDOFF_DENSE_WEIGHTS": "keep",
                              "HANDOFF_REMOTE_PREFILL_MIN_TOKENS": str(MIN_REMOTE_TOKENS),
                              # length alone: every long prompt queues on prefill-0, so the ones moved
                              # to a decode worker are moved by the fallback, not by the queue rule

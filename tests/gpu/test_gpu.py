@@ -63,7 +63,7 @@ def test_logits_on_cuda_are_hf_s_within_tolerance(smollm2_weights, smollm2_token
     prompts = {"one_token": tok.encode("Hello"), "short": tok.encode("The quick brown fox jumps over the lazy dog."),
                "chat": chat_ids(CHAT_QUESTION), "long": tok.encode(LONG_TEXT)}
     model = cuda_model(smollm2_weights, dtype)
-    runner = ModelRunner(model, KVCache(model.config, 256, 16, dtype, "cuda"), int4_decode=False)
+    runner = ModelRunner(model, KVCache(model.config, 256, 16, dtype, "cuda"), packed_decode=False)
     worst = 0.0
     for name, ids in prompts.items():
         runner.cache.pool.allocate(name, len(ids) + 8)
@@ -87,7 +87,7 @@ def test_a_decode_row_on_cuda_is_the_same_whatever_the_other_rows(smollm2_weight
     row's logits do not depend on the batch's size or on the other rows' context lengths. Contexts of 1 to
     600 tokens, batches of 1 to 13 rows, some of them one sequence's consecutive rows (replay)."""
     model = cuda_model(smollm2_weights, torch.bfloat16)
-    runner = ModelRunner(model, KVCache(model.config, 1024, 16, torch.bfloat16, "cuda"), int4_decode=False)
+    runner = ModelRunner(model, KVCache(model.config, 1024, 16, torch.bfloat16, "cuda"), packed_decode=False)
     pool = runner.cache.pool
     gen = torch.Generator().manual_seed(0)
     lens = [1, 5, 17, 63, 64, 65, 130, 333, 600]

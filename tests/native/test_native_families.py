@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from common.engine.kv_cache import KVCache
 from common.engine.model import Llama
 from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
-from common.engine.weights import Int4Weight, load_weights
+from common.engine.weights import QuantRows, load_weights
 from tests.support.native import native_kernels, other_build
 from tests.support.families import FAMILIES, VOCAB, tiny_hf_family
 
@@ -32,27 +32,32 @@ def family_case(request, tmp_path_factory):
     return request.param, model, load_weights(folder, progress=False)
 
 
-def _quantized(weights) -> tuple[dict[str, torch.Tensor], dict[str, Int4Weight]]:
+def _quantized(weights) -> tuple[dict[str, torch.Tensor], dict[str, QuantRows]]:
     """Every layer matrix in Q4_1 blocks of 32 (fp16 d and m, as a GGUF file holds them), and the tensors with
     those matrices replaced by their dequantized values: the dense weights the packed ones stand for."""
-    tensors, int4 = dict(weights.tensors), {}
+    tensors, packed = dict(weights.tensors), {}
     for name, t in weights.tensors.items():
         if ".layers." not in name or not name.endswith("proj.weight"):
             continue
         w = t.float().numpy().reshape(t.shape[0], -1, 32)
         low, high = w.min(-1), w.max(-1)
-        d = np.maximum((high - low) / 15, 1e-4).astype(np.float16).astype(np.float32)
-        m = low.astype(np.float16).astype(np.float32)
-        codes = np.clip(np.rint((w - m[..., None]) / d[..., None]), 0, 15).astype(np.uint8)
-        int4[name] = Int4Weight(codes.reshape(t.shape), d, m)
-        tensors[name] = torch.from_numpy((codes * d[..., None] + m[..., None]).reshape(t.shape).astype(np.float32))
-    return tensors, int4
+        d = np.maximum((high - low) / 15, 1e-4).astype(np.float16)
+        m = low.astype(np.float16)
+        codes = np.clip(np.rint((w - m[..., None].astype(np.float32)) / d[..., None].astype(np.float32)), 0, 15
+                        ).astype(np.uint8)  # [rows, blocks, 32]
+        # GGUF's Q4_1 block: fp16 d, fp16 m, then byte j holding input j (low nibble) and j + 16 (high one)
+        blocks = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8),
+                                 codes[..., :16] | (codes[..., 16:] << 4)], axis=-1)
+        packed[name] = QuantRows("Q4_1", np.ascontiguousarray(blocks.reshape(t.shape[0], -1)), t.shape[1])
+        values = codes * d[..., None].astype(np.float32) + m[..., None].astype(np.float32)
+        tensors[name] = torch.from_numpy(values.reshape(t.shape).astype(np.float32))
+    return tensors, packed
 
 
-def _runner(config, tensors, dtype=torch.float32, int4=None, matmuls=None, num_blocks=128) -> ModelRunner:
-    model = Llama(config, tensors, dtype=dtype, int4=int4, native_matmuls=matmuls)
+def _runner(config, tensors, dtype=torch.float32, packed=None, matmuls=None, num_blocks=128) -> ModelRunner:
+    model = Llama(config, tensors, dtype=dtype, packed=packed, native_matmuls=matmuls)
     assert model.kernels is not None, "the native kernels do not take this family's layer"
-    return ModelRunner(model, KVCache(config, num_blocks, BLOCK, dtype), int4_decode=int4 is not None)
+    return ModelRunner(model, KVCache(config, num_blocks, BLOCK, dtype), packed_decode=packed is not None)
 
 
 def _prefill(runner: ModelRunner, sequences: list[list[int]], num_decode: int) -> torch.Tensor:

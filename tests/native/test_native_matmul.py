@@ -269,7 +269,7 @@ def test_the_one_call_layer_stack_is_the_per_op_path_bit_for_bit(make_runner, dt
     from common.engine.runner import DecodeItem, PrefillItem
 
     _kernels_for(matmuls)
-    runner = make_runner(num_blocks=64, dtype=dtype, int4_decode=True, native_matmuls=matmuls)
+    runner = make_runner(num_blocks=64, dtype=dtype, packed_decode=True, native_matmuls=matmuls)
     model = runner.model
     assert model.matmuls == matmuls
     assert model.native_layers is not None, "the int4 layers did not get the one-call path"

@@ -444,7 +444,7 @@ def test_an_embedded_server_dies_with_the_process_that_started_it():
             "server = grpc.server(futures.ThreadPoolExecutor(1)); server.add_insecure_port('127.0.0.1:0'); "
             "server.start(); channel = grpc.insecure_channel('127.0.0.1:1')\n"
             "s = EmbeddedRedis().start(); print(s._proc.pid, flush=True); time.sleep(120)")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     starter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=repo)
     try:
         server_pid = int(starter.stdout.readline())

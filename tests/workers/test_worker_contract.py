@@ -377,7 +377,7 @@ def test_the_split_gives_the_tokens_of_the_engine_alone(cluster):
     from protos import handoff_pb2, handoff_pb2_grpc
 
     d = cluster.decode[0]
-    runner = ModelRunner(d.model, KVCache(d.model.config, 64, 16, d.model.dtype), int4_decode=True)
+    runner = ModelRunner(d.model, KVCache(d.model.config, 64, 16, d.model.dtype), packed_decode=True)
     requests = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=1.0, top_p=0.9, seed=77)}
     with grpc.insecure_channel(cluster.address) as ch:
         stub = handoff_pb2_grpc.RouterStub(ch)
@@ -394,7 +394,7 @@ def test_the_split_gives_the_tokens_of_the_engine_alone(cluster):
             while not events or events[-1].finish_reason is None:
                 engine.step()
             assert ids == [t for e in events for t in e.token_ids], kind
-    assert d.model.has_int4 and d.model.dtype in (torch.float32, torch.bfloat16)
+    assert d.model.has_packed and d.model.dtype in (torch.float32, torch.bfloat16)
 
 
 def test_a_shared_prefix_is_neither_recomputed_nor_pushed_again(cluster):
