@@ -25,7 +25,7 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS += '-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)'
 endif
 
-.PHONY: run test bench bench-load bench-peers gpu-check llama-tools zoo protos clean venv
+.PHONY: run test bench bench-load bench-shapes bench-peers gpu-check llama-tools zoo protos clean venv
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,14 @@ bench: protos
 # for a 2-minute smoke). Writes docs/loadgen-*.png after a full run.
 bench-load: protos
 	$(PY) -m bench.loadgen $(ARGS)
+
+# The engine at Llama 3.2 1B, Qwen 2.5 3B and Llama 3.1 8B shapes (Q4_K_M, Q8_0) against llama.cpp on the same
+# files: prefill, decode at 1 / 8 / 32 streams, a decode worker's memory (bench/shapes.py; an hour or more,
+# ARGS=--quick for minutes), and every family's greedy tokens against llama.cpp's (bench/agreement.py). Needs
+# `make bench-peers` and `make llama-tools`; builds the files it lacks (the 8B ones: 10-20 minutes).
+bench-shapes: protos
+	$(PY) -m bench.shapes $(ARGS)
+	$(PY) -m bench.agreement
 
 # The CUDA path on a GPU machine: numerics against HF on the GPU, the engine-failure and a decode kill's fault
 # tests on CUDA, the engine benchmark there (tests/gpu/check.py). Without a CUDA device: a line, exit 0.

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.engine import pages
 from common.engine.config import ModelConfig, RopeScaling
 from common.engine.families import Family, family_of_gguf, supported_gguf_archs
 from common.engine.gguf_file import GGUFFile
@@ -315,6 +316,11 @@ class GGUFTensors(Mapping):
     def qtype(self, name: str) -> str:
         """The file's type of a tensor (without reading it)."""
         return self._refs[name].tensor.tensor_type.name
+
+    def drop_pages(self, name: str) -> None:
+        """Once a tensor is read into the model's own copy: its file pages out of this process's resident set
+        (pages.drop_file_pages; they stay in the page cache, and a later read faults them back)."""
+        pages.drop_file_pages(self._refs[name].tensor.data)
 
 
 def dequantize_blocks(raw: np.ndarray, qtype: str) -> torch.Tensor | None:

@@ -277,6 +277,15 @@ class Llama(torch.nn.Module):
                 return None
             return QuantLinear.create([packed[name]], matmul_kernels, unit, self.weight_arena)
 
+        def read_out(names) -> None:
+            """Once these tensors are in the model's own copies: a GGUF's pages of them out of the resident
+            set (GGUFTensors.drop_pages), so loading peaks near the model's size, not it and the file's."""
+            for source in (tensors, packed):
+                if hasattr(source, "drop_pages"):
+                    for n in names:
+                        if n in source:
+                            source.drop_pages(n)
+
         head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
         self.head_packed = row_linear(head)
         self.embed_packed = self.head_packed if c.tie_embeddings else row_linear("model.embed_tokens.weight")
@@ -293,6 +302,7 @@ class Llama(torch.nn.Module):
             self.lm_head_int8 = Int8Linear(head_fp32, device, matmul_kernels, self.weight_arena) \
                 if self.device.type == "cpu" else None
             del head_fp32
+        read_out({head, "model.embed_tokens.weight"})
         release_freed_pages()
         self.final_norm = w32("model.norm.weight")
         arch = c.arch
@@ -315,6 +325,7 @@ class Llama(torch.nn.Module):
                 layer[name + "_packed"] = packed_linear(names) if pack_layers else None
                 keep = keep_dense or layer[name + "_packed"] is None
                 layer[name] = torch.cat([w(n) for n in names]) if keep else None  # None: _dense reads the file
+                read_out(names)
             self.layers.append(layer)
             release_freed_pages()  # the layer's temporary fp32 copies: peak memory stays near the model's
         self.has_packed = any(layer[name + "_packed"] is not None for layer in self.layers for name in LAYER_MATRICES)
@@ -412,8 +423,12 @@ class Llama(torch.nn.Module):
         """Layer i's matrix `name` in the model's dtype, made from the file now (keep_dense False): the same
         operations, so the same bits, as the copy a worker that keeps them made at load."""
         p = f"model.layers.{i}."
-        return torch.cat([self._tensors[p + part].to(device=self.device, dtype=self.dtype).contiguous()
-                          for part in LAYER_MATRICES[name]])
+        out = torch.cat([self._tensors[p + part].to(device=self.device, dtype=self.dtype).contiguous()
+                         for part in LAYER_MATRICES[name]])
+        if hasattr(self._tensors, "drop_pages"):  # read again from the page cache next time, not held here
+            for part in LAYER_MATRICES[name]:
+                self._tensors.drop_pages(p + part)
+        return out
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The fp32 residual stream's start: the tokens' embedding rows, rounded to the model's dtype (as a

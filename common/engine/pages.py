@@ -121,3 +121,32 @@ class WeightArena:
             start = 0
         self._used = start + nbytes
         return self.chunks[-1][start:start + nbytes]
+
+
+def drop_file_pages(array) -> int:
+    """Unmap from this process the resident pages of `array` where it lies in a read-only file mapping (a
+    GGUF's np.memmap): what was read from the file to pack it is then no longer in this process's resident
+    set, so a decode worker's memory is its packed copy, not that and the file's pages too. The pages stay
+    in the kernel's page cache; a later read of the array (a lazy dense copy for a prefill) faults them back
+    from there, with the same bytes. Anything not a file mapping is left as it is (on anonymous memory the
+    same advice would zero it). Returns the bytes advised."""
+    import ctypes
+
+    import numpy as np
+
+    base = array
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    region = getattr(base, "_mmap", None)
+    if region is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    start = array.__array_interface__["data"][0]
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the array only
+    last = (start + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED) != 0:
+        log.info("madvise(MADV_DONTNEED) on a file mapping failed: errno %d", ctypes.get_errno())
+        return 0
+    return last - first

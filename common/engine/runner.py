@@ -70,11 +70,11 @@ class ModelRunner:
     @classmethod
     def load(cls, model_name: str | Path, *, dtype: str = "auto", num_blocks: int,
              block_size: int = 16, device: str = "cpu", progress: bool = True,
-             packed_decode: bool = True) -> "ModelRunner":
+             packed_decode: bool = True, keep_dense: bool = True) -> "ModelRunner":
         weights = load_weights(model_name, progress=progress)
         torch_dtype = parse_dtype(dtype, device)
         model = Llama(weights.config, weights.tensors, dtype=torch_dtype, device=device,
-                      packed=weights.packed, pack_layers=packed_decode)
+                      packed=weights.packed, pack_layers=packed_decode, keep_dense=keep_dense)
         model.weights_id = weights.weights_id
         del weights
         trim_memory()

@@ -117,3 +117,27 @@ def test_a_kv_pool_larger_than_the_address_space_says_what_to_lower():
     wide = dataclasses.replace(TINY, num_layers=1000, num_heads=64, num_kv_heads=64, head_dim=256)  # 1 GiB a block
     with pytest.raises(MemoryError, match=r"KV pool \(200000 blocks of 16 tokens, [\d.]+ GiB\).*--kv-memory-gib"):
         KVCache(wide, 200_000, 16, torch.bfloat16)  # 195 TiB: past any address space
+
+
+def test_a_files_pages_leave_the_resident_set_once_read_and_come_back_the_same(tmp_path):
+    """drop_file_pages: what a loader read from a memory-mapped file leaves this process's resident set (a
+    decode worker's memory is its packed copy, not that and the file too), a later read gets the same bytes,
+    and memory that is not a file mapping is left alone (the advice would zero it)."""
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8)
+    data.tofile(path)
+    mapped = np.memmap(path, mode="r")
+    view = np.asarray(mapped[1000:(12 << 20) + 1000])  # as the GGUF reader's tensors are: views of the map
+    digest = int(view.astype(np.uint64).sum())  # touches every page
+
+    def resident_kib() -> int:
+        return int(pages.smaps_fields(view.__array_interface__["data"][0])["Rss"].split()[0])
+
+    assert resident_kib() >= 12 << 10
+    dropped = pages.drop_file_pages(view)
+    assert dropped >= (12 << 20) - 2 * 4096 and dropped % 4096 == 0  # whole pages inside the view only
+    assert resident_kib() <= 4 << 10  # at most the huge pages the view's two ends share with the rest (tmpfs)
+    assert int(view.astype(np.uint64).sum()) == digest and (view == data[1000:(12 << 20) + 1000]).all()
+
+    anonymous = data.copy()
+    assert pages.drop_file_pages(anonymous) == 0 and (anonymous == data).all()

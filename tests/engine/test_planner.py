@@ -127,3 +127,28 @@ def test_cli_missing_model(tmp_path):
     assert out.returncode != 0
     assert "Traceback" not in out.stderr, out.stderr
     assert str(missing) in out.stderr and "no such file" in out.stderr
+
+
+# The benchmark shapes' KV sizes, from the models' published configs (bf16 K and V, every layer):
+# Llama 3.2 1B 16 x 8 x 64, Qwen 2.5 3B 36 x 2 x 128, Llama 3.1 8B 32 x 8 x 128.
+BIG_KV_BYTES_PER_TOKEN = {"llama-3.2-1b": 32_768, "qwen2.5-3b": 36_864, "llama-3.1-8b": 131_072}
+
+
+@pytest.mark.parametrize("shape", sorted(BIG_KV_BYTES_PER_TOKEN))
+def test_the_benchmark_shapes_files_are_planned_from_what_they_say(shape):
+    """python -m common.engine.planner on a benchmark shape's GGUF (bench/zoo/big.py) reads its dimensions
+    from the file; where the file is not built, from the shape's numbers (the same as the file writes)."""
+    from bench.zoo.big import BIG_SHAPES, big_dir
+
+    spec = BIG_SHAPES[shape]
+    files = sorted(big_dir(shape).glob(f"{shape}.*.gguf")) if big_dir(shape).is_dir() else []
+    args = (["--model", str(files[0])] if files else
+            ["--layers", str(spec["layers"]), "--kv-heads", str(spec["kv_heads"]), "--head-dim", str(spec["head_dim"])])
+    out = planner(*args, "--dtype", "bf16", "--memory-gib", "1", "--tokens", "8192")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    per_token = BIG_KV_BYTES_PER_TOKEN[shape]
+    assert (result["layers"], result["kv_heads"], result["head_dim"]) == (spec["layers"], spec["kv_heads"],
+                                                                         spec["head_dim"])
+    assert result["kv_bytes_per_token"] == per_token
+    assert result["seq_kv_bytes"] == 8192 * per_token and result["max_seqs"] == GIB // (8192 * per_token)
