@@ -21,6 +21,8 @@ token ids, the same thread count, the same warm-up, turns taken in rotation in o
   dtype, the prompt in chunks of 256 at fixed positions, as the worker runs it); llama.cpp at its defaults
   (n_batch 2048, n_ubatch 512, flash attention auto). Where both would not fit in memory (8B: 16 GB of
   bf16 beside the file), each runs alone in its own process, llama.cpp first, same samples and warm-up.
+- with --lazy-prefill, prefill also as a decode worker under `--dense-weights lazy` does it (each layer's
+  dense matrices made from the file as the prompt reaches them), against the kept copies.
 - the peak RSS of a decode worker: a fresh process per system loads the file as above, takes a 128-token
   context's K/V (ours: written into its pool as a push writes it; llama.cpp: its prompt evaluated) and
   decodes 32 tokens; getrusage's high-water mark, with each side's KV cache (sized for 256 tokens) subtracted.
@@ -258,18 +260,20 @@ def section_decode(path: Path, args) -> None:
 
     streams = sorted(args.streams)
     steps, rounds = args.steps, args.rounds
-    blocks = max(streams) * -(-(CONTEXT + (rounds + 2) * steps + 8) // 16) + 8
+    # every step a stream takes: warm-up, the timed turns, and ours' untimed step after each bandwidth pass
+    most = (2 * rounds + 3) * steps + 16
+    blocks = max(streams) * -(-(CONTEXT + most + 1) // 16) + 8
     runner = load_ours(path, "decode", args.dtype, blocks)
     model = runner.model
     ids = prompt_ids(CONTEXT, model.config.vocab_size)
-    peer = LlamaCppBatched(path, args.threads, max(streams) * (CONTEXT + (rounds + 2) * steps + 16), max(streams))
+    peer = LlamaCppBatched(path, args.threads, max(streams) * (CONTEXT + most + 16), max(streams))
     bandwidth = ReadBandwidth(1 << 30)
     weight_bytes = model.decode_weight_bytes(True)
     kv_token = runner.cache.kv[:, :1].numel() * runner.cache.kv.element_size()  # every layer's K and V
     emit("decode_weight_bytes", weight_bytes / 1e6, "MB a step reads of packed weights (ours)",
          file=path.name, dtype=str(model.dtype))
     for n in streams:
-        loops = {"handoff": OursStreams(runner, ids, n, (rounds + 2) * steps),
+        loops = {"handoff": OursStreams(runner, ids, n, most),
                  "llama.cpp": LlamaCppStreams(peer, ids, n)}
         if n == 1:
             loops["bandwidth"] = _Passes(bandwidth, loops["handoff"])
@@ -368,7 +372,7 @@ def section_rss(path: Path, args, who: str) -> None:
         loop = OursStreams.__new__(OursStreams)
         loop.runner, loop.seqs, loop.next, loop.pos = runner, ["r"], [ids[-1]], CONTEXT
         loop.steps(RSS_STEPS)
-        kv_bytes = cache.kv_bytes()
+        kv_bytes = cache.kv_bytes
         weights = runner.model.weight_bytes()
     else:
         peer = LlamaCppBatched(path, args.threads, RSS_CTX)
