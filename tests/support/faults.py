@@ -141,26 +141,28 @@ def report(**figures) -> None:
 
 
 def wait_streaming_on(procs: ProcCluster, progress: dict, worker_id: str, min_tokens: int,
-                      timeout_s: float = 90) -> None:
+                      timeout_s: float = 90, max_tokens: int = MAX_TOKENS) -> None:
     """Until a stream that decodes on worker_id has min_tokens and at least as many still to come. Waiting
     for every stream to have started is not enough: on a fast host the first streams finish before the last
     ones start, and a kill then cuts no stream at all."""
     deadline = time.monotonic() + timeout_s
-    while not any(min_tokens <= progress.get(rid, 0) <= MAX_TOKENS - min_tokens
+    while not any(min_tokens <= progress.get(rid, 0) <= max_tokens - min_tokens
                   for rid in procs.state.reservations(worker_id)):
         assert time.monotonic() < deadline, f"no stream got going on {worker_id}: {progress}"
         time.sleep(0.005)
 
 
-def kill_mid_stream(procs: ProcCluster, reference: dict[str, list[int]], victim: str, topology: str) -> None:
+def kill_mid_stream(procs: ProcCluster, reference: dict[str, list[int]], victim: str, topology: str,
+                    specs: list[Spec] = SPECS) -> None:
     """kill -9 `victim` while streams are producing tokens (on it, for a decode worker); then every stream
-    completes with the fault-free tokens, and nothing is left held. One report line per request kind."""
+    completes with the fault-free tokens, and nothing is left held. One report line per request kind.
+    specs: the requests (longer ones for a model small enough to finish 32 tokens before a kill lands)."""
     progress: dict[str, int] = {}
-    threads, results = run_many(procs.router_address, SPECS, f"kill-{victim}", progress=progress)
+    threads, results = run_many(procs.router_address, specs, f"kill-{victim}", progress=progress)
     if victim.startswith("decode"):
-        wait_streaming_on(procs, progress, victim, 4)
+        wait_streaming_on(procs, progress, victim, 4, max_tokens=min(s.max_tokens for s in specs))
     else:
-        wait_streaming(progress, len(SPECS), 4)
+        wait_streaming(progress, len(specs), 4)
     t_kill = procs.kill(victim)
     join(threads)
     procs.restart(victim)
