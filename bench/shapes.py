@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from bench import llamacpp
+from bench.engine import RunnerDecode
 from bench.harness import emit, emit_load_avg, emit_machine, emit_skipped, interleave, log, percentile
 
 SHAPES = ("llama-3.2-1b", "qwen2.5-3b", "llama-3.1-8b")
@@ -77,9 +78,9 @@ def load_ours(path: Path, role: str, dtype: str, blocks: int):
                             keep_dense=not decode)
 
 
-class OursStreams:
+class OursStreams(RunnerDecode):
     """n streams on ours: the context prefilled once, its K/V copied to every stream, then decode steps of
-    one token a stream, greedy."""
+    one token a stream, greedy (RunnerDecode's steps and close)."""
 
     name = "handoff"
 
@@ -88,32 +89,19 @@ class OursStreams:
 
         self.runner = runner
         pool, cache = runner.cache.pool, runner.cache
-        self.seqs = [f"s{i}" for i in range(n)]
-        for s in self.seqs:
+        self.seq_ids = [f"s{i}" for i in range(n)]
+        for s in self.seq_ids:
             pool.allocate(s, len(ids) + max_steps + 1)
-        logits = runner.prefill([PrefillItem(self.seqs[0], ids)]) if n else None
-        src = torch.tensor(cache.slots(pool.block_table(self.seqs[0]), 0, len(ids)))
-        for s in self.seqs[1:]:
+        logits = runner.prefill([PrefillItem(self.seq_ids[0], ids)])
+        src = torch.tensor(cache.slots(pool.block_table(self.seq_ids[0]), 0, len(ids)))
+        for s in self.seq_ids[1:]:
             dst = torch.tensor(cache.slots(pool.block_table(s), 0, len(ids)))
             cache.kv[:, dst] = cache.kv[:, src]
         self.next = [int(logits[0].argmax())] * n
         self.pos = len(ids)
 
-    def steps(self, k: int) -> list[float]:
-        from common.engine.runner import DecodeItem
-
-        out = []
-        for _ in range(k):
-            t0 = time.perf_counter()
-            logits = self.runner.decode([DecodeItem(s, t, self.pos) for s, t in zip(self.seqs, self.next)])
-            self.next = logits.argmax(-1).tolist()
-            self.pos += 1
-            out.append(time.perf_counter() - t0)
-        return out
-
-    def close(self) -> None:
-        for s in self.seqs:
-            self.runner.cache.pool.free(s)
+    def _sample(self, logits: torch.Tensor) -> list[int]:
+        return logits.argmax(-1).tolist()
 
 
 def ours_prefill_s(runner, ids: list[int]) -> float:
@@ -369,8 +357,8 @@ def section_rss(path: Path, args, who: str) -> None:
         kv = torch.randn((layers, 2, CONTEXT, heads, dim), generator=torch.Generator().manual_seed(0))
         cache.import_seq("r", (kv * 0.1).to(cache.kv.dtype))
         del kv
-        loop = OursStreams.__new__(OursStreams)
-        loop.runner, loop.seqs, loop.next, loop.pos = runner, ["r"], [ids[-1]], CONTEXT
+        loop = OursStreams.__new__(OursStreams)  # the context's K/V is there: no prefill
+        loop.runner, loop.seq_ids, loop.next, loop.pos = runner, ["r"], [ids[-1]], CONTEXT
         loop.steps(RSS_STEPS)
         kv_bytes = cache.kv_bytes
         weights = runner.model.weight_bytes()
