@@ -42,7 +42,7 @@ protos: $(STAMP)
 	$(PY) -m protos.build
 
 run: protos
-	$(PY) -m router.cluster --prompt "$(PROMPT)" $(ARGS)
+	$(PY) -m router.cluster --log-level WARNING --prompt "$(PROMPT)" $(ARGS)
 
 test: protos
 	$(PY) -m pytest -q tests --durations=20 $(ARGS)

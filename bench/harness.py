@@ -9,6 +9,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from common import settings
+
 MODEL = "smollm2"
 
 
@@ -125,7 +127,7 @@ def base_parser(prog: str, doc: str, sections: tuple[str, ...], *, threads: int 
                 threads_help: str = "torch intra-op threads (default 2)") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke run (< 2 min)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+    p.add_argument("--dtype", default=settings.default("dtype"), choices=settings.DTYPES,
                    help="auto (the default of every service): bf16 where the CPU multiplies it natively, else fp32")
     p.add_argument("--only", nargs="+", choices=sections, metavar="NAME",
                    help=f"run only these sections: {', '.join(sections)}")

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import settings
 from bench import llamacpp
 from bench.engine import RunnerDecode
 from bench.harness import emit, emit_load_avg, emit_machine, emit_skipped, interleave, log, percentile
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--qtypes", nargs="+", default=list(QTYPES), choices=QTYPES)
     p.add_argument("--only", nargs="+", default=["decode", "prefill", "rss"], choices=("decode", "prefill", "rss"))
     p.add_argument("--threads", type=int, default=2, help="threads for both systems (default 2)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--dtype", default=settings.default("dtype"), choices=settings.DTYPES)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--steps", type=int, default=8, help="decode steps a turn (default 8)")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import torch
 
+from common import settings
 from bench.harness import (MODEL, base_parser, chat_prompt, emit, emit_load_avg, emit_skipped, interleave, log,
                            percentile, system_prompt)
 from common.worker import WorkerConfig
@@ -517,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
                     threads_help="torch intra-op threads of every engine (default 0: the cluster's own "
                                  "choice, cores / workers)")
     p.add_argument("--decode-workers", type=int, default=1, choices=(1, 2))
-    p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool of each decode worker")
+    p.add_argument("--kv-memory-gib", type=float, default=settings.default("kv_memory_gib"), help="KV pool of each decode worker")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     q = args.quick

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -24,6 +25,8 @@ from common.ports import free_port
 SOCKET_TIMEOUT_S = 2.0
 HEALTH_CHECK_INTERVAL_S = 5.0
 _PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger(__name__)
 
 
 class RedisBinaryNotFound(RuntimeError):
@@ -248,3 +251,14 @@ def connect(url: str | None, *, password: str | None = None,
     client = redis.Redis(connection_pool=redis.ConnectionPool(**options))
     client.auto_close_connection_pool = True  # close() also closes the pool, as from_url does
     return client, server
+
+
+def announce_embedded(server: EmbeddedRedis, service: str) -> None:
+    """A service started without a Redis URL runs its own Redis: say where, and how the others join it,
+    rather than leave each process a cluster of one that never sees the rest."""
+    url = f"redis://127.0.0.1:{server.port}/0"
+    log.warning("%s: no --redis-url (REDIS_URL) given, so this process started an embedded Redis at %s; it "
+                "lives and dies with this process and listens on loopback only. Start the other services of "
+                "this cluster with --redis-url %s%s (or REDIS_URL=%s); a service started without one runs a "
+                "Redis of its own and never sees this one. In production, give every service the same "
+                "--redis-url.", service, url, url, " and REDIS_PASSWORD" if server.password else "", url)

@@ -8,22 +8,23 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import grpc
 import torch
 
-from common import cli, grpc_common, metrics, security
+from common import cli, grpc_common, metrics, security, settings
 from common.engine.engine import Engine
 from common.grpc_common import ServiceError
 from common.engine.kv_cache import KVCache
 from common.kv_wire import ModelFingerprint
 from common.engine.model import Llama
 from common.engine.model_files import resolve_model_path
-from common.redis_server import connect
+from common.redis_server import announce_embedded, connect
 from common.engine.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig
+from common.settings import default
 from common.state import StateStore, StateUnavailable, WorkerInfo
 from common.engine.tokenizer import load_tokenizer
 from common.engine.weights import load_weights, trim_memory
@@ -33,36 +34,37 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """Defaults from common/settings.py (the flags' table), except a library user's free ports (0)."""
     role: str
-    host: str = "0.0.0.0"
+    host: str = default("host")
     port: int = 0
     advertise_host: str | None = None
     worker_id: str | None = None
     redis_url: str | None = None
-    model: str = "smollm2"
-    dtype: str = "auto"
-    device: str = "cpu"
-    threads: int = 0
+    model: str = default("model")
+    dtype: str = default("dtype")
+    device: str = default("device")
+    threads: int = default("threads")
     metrics_port: int = 0
-    health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
+    health_port: int = default("health_port")  # plaintext grpc.health.v1 only, for probes when TLS is on
     tls: TLSConfig = TLSConfig()  # off by default; on, every port of the worker requires client certificates
-    drain_timeout_s: float = 25.0
+    drain_timeout_s: float = default("drain_timeout_s")
     heartbeat_s: float = 0.5  # a dead worker leaves the registry within heartbeat_ttl_s
     heartbeat_ttl_s: float = 2.0
     block_size: int = 16
-    max_prefill_tokens: int = 2048
-    prefill_chunk_tokens: int = 256  # prompts are prefilled in chunks at fixed positions (prefix.py)
-    prefix_caching: bool = True  # keep full chunks' K/V for prompts that share a prefix
-    max_running: int = 64
-    packed_decode: bool = True  # decode reads the GGUF's packed matrices as stored (see model.py)
-    dense_weights: str = "auto"  # keep | lazy | auto: dense copies of the packed matrices for prefill (model.py)
+    max_prefill_tokens: int = default("max_prefill_tokens")
+    prefill_chunk_tokens: int = default("prefill_chunk_tokens")  # prompts are prefilled in chunks (prefix.py)
+    prefix_caching: bool = default("prefix_caching")
+    max_running: int = default("max_running")
+    packed_decode: bool = default("packed_decode")  # decode reads the GGUF's packed matrices (model.py)
+    dense_weights: str = default("dense_weights")  # dense copies of the packed matrices for prefill (model.py)
     # decode only
-    kv_port: int = 0
-    kv_memory_gib: float = 1.0
-    kv_wait_s: float = 30.0  # how long KV that arrived may wait for its Decode call, and vice versa
+    kv_port: int = default("kv_port")
+    kv_memory_gib: float = default("kv_memory_gib")
+    kv_wait_s: float = default("kv_wait_s")
     # prefill only: its own small pool holds prompts only while they are computed
-    prefill_kv_tokens: int = 16384
-    stream_kv: bool = True  # push a prompt's K/V chunk by chunk while its prefill computes the rest
+    prefill_kv_tokens: int = default("prefill_kv_tokens")
+    stream_kv: bool = default("stream_kv")
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -72,31 +74,30 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_memory_gib <= 0:
             raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib}")
-        if self.dense_weights not in ("auto", "keep", "lazy"):
+        if self.dense_weights not in settings.DENSE_WEIGHTS:
             raise ValueError(f"dense_weights must be auto, keep or lazy, got {self.dense_weights!r}")
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s:
             raise ValueError("heartbeat_s must be positive and shorter than heartbeat_ttl_s")
         self.tls.check_for_service()
 
     @classmethod
-    def from_args(cls, role: str, argv: list[str] | None, *, port: int, metrics_port: int,
-                  extra: Callable[[argparse.ArgumentParser], None] | None = None) -> "WorkerConfig":
-        p = argparse.ArgumentParser(prog=f"python -m {role}_svc",
-                                    description=f"handoff {role} worker")
-        cli.add_common_flags(p, port=port, metrics_port=metrics_port)
-        cli.add_worker_flags(p)
-        if extra:
-            extra(p)
+    def from_args(cls, role: str, argv: list[str] | None) -> "WorkerConfig":
+        p = argparse.ArgumentParser(prog=f"python -m {role}_svc", description=f"handoff {role} worker")
+        settings.add_to(p, role)
         args = vars(p.parse_args(argv))
-        log_level = args.pop("log_level")
-        logging.basicConfig(level=log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        cli.setup_logging(args.pop("log_level"))
         try:
-            config = cls(role=role, tls=cli.pop_tls_config(args), **args)
+            config = cls.from_settings(role, args)
             security.check(config.tls)  # a bad certificate stops the worker now, not after loading the model
             return config
         except ValueError as exc:
             p.error(str(exc))
+
+    @classmethod
+    def from_settings(cls, role: str, args: dict) -> "WorkerConfig":
+        """A worker's fields of parsed settings (router.cluster's carry the router's too)."""
+        names = {f.name for f in fields(cls)} - {"role", "tls"}
+        return cls(role=role, tls=cli.tls_config(args), **{k: v for k, v in args.items() if k in names})
 
     def resolved(self, bound_port: int) -> "WorkerConfig":
         host = self.advertise_host or cli.default_host()
@@ -448,6 +449,8 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     """`python -m prefill_svc` / `decode_svc`: serve until SIGTERM/SIGINT, then drain (Kubernetes
     gives terminationGracePeriodSeconds)."""
     client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
+    if embedded:
+        announce_embedded(embedded, f"{config.role} worker")
     metrics_port = metrics.serve_metrics(config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

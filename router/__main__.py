@@ -4,7 +4,7 @@ import signal
 import threading
 
 from common import cli, grpc_common, metrics
-from common.redis_server import connect
+from common.redis_server import announce_embedded, connect
 from common.state import StateStore
 from router.config import RouterConfig
 from router.server import RouterServer
@@ -15,6 +15,8 @@ log = logging.getLogger("router")
 def main(argv=None) -> None:
     config = RouterConfig.from_args(argv)
     client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
+    if embedded:
+        announce_embedded(embedded, "router")
     metrics.serve_metrics(config.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -74,8 +74,8 @@ def stream(target: str, request: handoff_pb2.GenerateRequest, timeout_s: float |
     }
 
 
-def add_request_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", help="raw text to continue")
+def add_request_flags(p: argparse.ArgumentParser, prompt_help: str = "raw text to continue (no chat template)") -> None:
+    p.add_argument("--prompt", help=prompt_help)
     p.add_argument("--message", action="append", help="a chat message role:content (repeatable)")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
@@ -88,7 +88,7 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int)
-    p.add_argument("--ignore-eos", action="store_true")
+    cli.add_switch(p, "--ignore-eos", "keep generating past the end-of-sequence token")
     p.add_argument("--request-id")
     p.add_argument("--timeout-s", type=float, default=300.0, help="the request's deadline")
 
@@ -96,7 +96,7 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
     cli.add_flag(p, "--api-key", "HANDOFF_API_KEY", None,
                  "sent as 'authorization: Bearer <key>'; prefer the environment variable (ps shows flags)")
-    p.add_argument("--tls", action="store_true", help="use TLS, verifying the router by the system's roots")
+    cli.add_switch(p, "--tls", "use TLS, verifying the router by the system's roots")
     cli.add_flag(p, "--tls-ca", "HANDOFF_TLS_CA", None, "CA bundle that verifies the router (implies --tls)")
     cli.add_flag(p, "--tls-cert", "HANDOFF_TLS_CERT", None, "client certificate, if the router requires one")
     cli.add_flag(p, "--tls-key", "HANDOFF_TLS_KEY", None, "the private key of --tls-cert")

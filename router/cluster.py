@@ -16,7 +16,7 @@ import sys
 import threading
 from dataclasses import replace
 
-from common import cli
+from common import cli, settings
 from common.engine.model import Llama
 from common.engine.model_files import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
@@ -28,7 +28,7 @@ from common.engine.weights import load_weights, trim_memory
 from common.worker import WorkerConfig
 from decode_svc.worker import DecodeWorker
 from prefill_svc.worker import PrefillWorker
-from router.config import PREFILL_MODES, RouterConfig
+from router.config import RouterConfig
 from router.server import RouterServer
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 
 class Cluster:
     def __init__(self, *, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
-                 port: int = 0, redis_url: str | None = None, dtype: str = "auto", device: str = "cpu",
-                 kv_memory_gib: float = 0.5, threads: int = 0, router: RouterConfig | None = None,
+                 port: int = 0, redis_url: str | None = None, dtype: str = settings.default("dtype"),
+                 device: str = settings.default("device"), kv_memory_gib: float = settings.default("kv_memory_gib"),
+                 threads: int = 0, router: RouterConfig | None = None,
                  worker: WorkerConfig | None = None, http_port: int = 0):
         mode = (router or RouterConfig()).prefill_mode
         if num_decode < 1 or num_prefill < (1 if mode == "disaggregated" else 0):
@@ -118,42 +119,36 @@ class Cluster:
         self.stop()
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> tuple[argparse.Namespace, RouterConfig, WorkerConfig]:
+    """The command line (and HANDOFF_* environment) as the cluster's router and worker configs."""
     from router import client
 
     p = argparse.ArgumentParser(prog="python -m router.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=cli.env("HANDOFF_MODEL", DEFAULT_MODEL))
-    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=cli.env("HANDOFF_PREFILL_MODE", "disaggregated"),
-                   help="where prompts are prefilled: on prefill workers (disaggregated), on the decode workers "
-                        "(colocated) or by prompt length (conditional, see --remote-prefill-min-tokens)")
-    p.add_argument("--remote-prefill-min-tokens", type=int, default=RouterConfig.remote_prefill_min_tokens,
-                   help="conditional: the shortest prompt prefilled on a prefill worker")
-    p.add_argument("--remote-prefill-max-queue-ratio", type=float,
-                   default=RouterConfig.remote_prefill_max_queue_ratio,
-                   help="conditional: prefill on the decode worker a prompt that would queue behind more than "
-                        "this many times its length in prompts no longer than it on the prefill worker (0 = off)")
-    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 when colocated)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--port", type=int, default=50051, help="the router's Generate port")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="the router's OpenAI-compatible HTTP API; 0 = a free port, -1 = off")
-    p.add_argument("--redis-url", default=cli.env("REDIS_URL"), help="unset = an embedded Redis server")
-    p.add_argument("--dtype", default=cli.env("HANDOFF_DTYPE", "auto"),
-                   help="auto (bf16 where the hardware multiplies it natively, else fp32), fp32, bf16")
-    p.add_argument("--kv-memory-gib", type=float, default=0.5, help="KV pool per decode worker")
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = cores / workers")
-    client.add_request_flags(p)
-    p.add_argument("--log-level", default="WARNING")
+    settings.add_to(p, settings.CLUSTER)
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill workers (default 1; 0 with --prefill-mode colocated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    client.add_request_flags(p, prompt_help="a user turn of a chat, rendered by the model's chat template "
+                                            "(python -m router.client --prompt sends raw text)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cli.setup_logging(args.log_level)
     if args.prefill is None:
         args.prefill = 0 if args.prefill_mode == "colocated" else 1
-    router = RouterConfig(prefill_mode=args.prefill_mode, remote_prefill_min_tokens=args.remote_prefill_min_tokens,
-                          remote_prefill_max_queue_ratio=args.remote_prefill_max_queue_ratio)
+    try:
+        return args, RouterConfig.from_settings(vars(args)), WorkerConfig.from_settings("prefill", vars(args))
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def main(argv=None) -> None:
+    from router import client
+
+    args, router, worker = parse_args(argv)
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
-                      redis_url=args.redis_url, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
-                      threads=args.threads, router=router, http_port=args.http_port)
+                      redis_url=args.redis_url, dtype=args.dtype, device=args.device,
+                      kv_memory_gib=args.kv_memory_gib, threads=args.threads, router=router, worker=worker,
+                      http_port=args.http_port)
     dtype = DTYPE_NAMES[parse_dtype(args.dtype)]
     why = f", {auto_dtype()[1]}" if args.dtype == "auto" else ""
     print(f"starting: {args.prefill} prefill + {args.decode} decode workers ({args.prefill_mode}), "

@@ -2,69 +2,54 @@
 from __future__ import annotations
 
 import argparse
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from common import cli, security
+from common import cli, security, settings
 from common.security import TLSConfig
-
-
-PREFILL_MODES = ("disaggregated", "colocated", "conditional")
+from common.settings import PREFILL_MODES, ROUTINGS, default
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "0.0.0.0"
+    """Defaults from common/settings.py (the flags' table), except where a library user differs from the
+    command: a free port (0) and the HTTP API and metrics off (-1, 0) unless asked for."""
+    host: str = default("host")
     port: int = 50051
     redis_url: str | None = None
-    model: str = "smollm2"
+    model: str = default("model")
     metrics_port: int = 0
-    default_max_tokens: int = 256
-    max_messages: int = 256  # chat messages per request
-    max_request_s: float = 600.0  # a request without a client deadline gets this one
-    lease_ttl_s: float = 10.0  # a dead router's reservations come back within this
+    default_max_tokens: int = default("default_max_tokens")
+    max_messages: int = default("max_messages")
+    max_request_s: float = default("max_request_s")
+    lease_ttl_s: float = default("lease_ttl_s")
     heartbeat_s: float = 0.5  # the router's registration beat; its requests are reaped ...
     heartbeat_ttl_s: float = 2.0  # ... this long after its last beat
-    queue_timeout_s: float = 5.0  # how long a request may wait for decode capacity
-    max_queued: int = 128  # requests waiting for capacity; beyond, RESOURCE_EXHAUSTED at once
-    kv_wait_s: float = 30.0  # how long a decode worker waits for a request's KV
-    max_attempts: int = 3  # tries of one request across workers (the retry budget)
-    # Where prompts are prefilled: disaggregated (always on a prefill worker), colocated (on the decode
-    # worker that decodes them; no prefill pool needed) or conditional (on a prefill worker when the
-    # prompt has at least remote_prefill_min_tokens tokens, else on the decode worker).
-    prefill_mode: str = "disaggregated"
-    # 64 from `python -m bench.token_path --only placement` on 2 CPU cores (docs/operations.md): from 32-64 prompt
-    # tokens on, remote prefill gave a TTFT within 1.1x of local (the push's fixed cost) and stalled a
-    # decoding stream 34-61 ms instead of the whole prefill (124-183 ms at 32-64 tokens, 2.3 s at 1,024).
-    remote_prefill_min_tokens: int = 64
-    # Conditional: a prompt that would wait behind more than this many times its own length in prompt tokens
-    # (this router's, on the least loaded prefill worker, in prompts no longer than it: a prefill worker runs
-    # the shortest first) is prefilled on its decode worker instead (Dynamo's prefill-queue limit, in
-    # tokens). At 3, a remote TTFT stays within about 4x of the prompt's own prefill. 0 = length alone.
-    remote_prefill_max_queue_ratio: float = 3.0
-    # ... but only a prompt of at most this many tokens: a longer one prefilled on the decode worker stops its
-    # streams for seconds (measured: one 1,536-token prompt placed there made all 5 requests of a point miss
-    # TPOT), so it queues for the prefill worker whatever the queue.
-    remote_prefill_queue_max_tokens: int = 512
-    routing: str = "cache_aware"  # prefill choice: cache_aware (longest cached prefix, load permitting) or least_loaded
-    cache_balance: int = 4  # cache_aware: a worker may have this many more requests in flight than the least loaded
-    # Generate streams in flight, per port (gRPC, HTTP): beyond, RESOURCE_EXHAUSTED (429) at once. A stream
-    # costs memory, not a thread: requests are coroutines on the router's event loop.
-    max_streams: int = 4096
+    queue_timeout_s: float = default("queue_timeout_s")
+    max_queued: int = default("max_queued")
+    kv_wait_s: float = default("kv_wait_s")
+    max_attempts: int = default("max_attempts")
+    prefill_mode: str = default("prefill_mode")
+    remote_prefill_min_tokens: int = default("remote_prefill_min_tokens")
+    remote_prefill_max_queue_ratio: float = default("remote_prefill_max_queue_ratio")
+    remote_prefill_queue_max_tokens: int = default("remote_prefill_queue_max_tokens")
+    routing: str = default("routing")
+    cache_balance: int = default("cache_balance")
+    # Streams cost memory, not a thread: requests are coroutines on the router's event loop.
+    max_streams: int = default("max_streams")
     blocking_threads: int = 8  # the fixed pool that runs Redis calls and tokenization off the event loop
-    drain_timeout_s: float = 25.0  # on SIGTERM, how long in-flight streams may take to finish
-    health_port: int = 0  # plaintext grpc.health.v1 only, for probes when TLS is on; 0 = off
+    drain_timeout_s: float = default("drain_timeout_s")
+    health_port: int = default("health_port")
     # The OpenAI-compatible HTTP API (router/http_front.py): 0 = a free port, -1 = off. Off in the
     # dataclass (a library default); `python -m router` serves it on 8000, router.cluster too.
     http_port: int = -1
-    max_body_bytes: int = 4 << 20  # largest HTTP request body; more is 413 (the gRPC port's message limit)
+    max_body_bytes: int = default("max_body_bytes")  # the gRPC port's message limit too
     # TLS on the public port (client certificates only if tls.require_client_cert) and mutual
     # TLS on the channels to the workers.
     tls: TLSConfig = TLSConfig()
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty = no API key needed; never printed
 
     def __post_init__(self) -> None:
-        if self.routing not in ("cache_aware", "least_loaded"):
+        if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be cache_aware or least_loaded, got {self.routing!r}")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
@@ -95,49 +80,19 @@ class RouterConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None) -> "RouterConfig":
         p = argparse.ArgumentParser(prog="python -m router", description="handoff router: the public Generate API")
-        cli.add_common_flags(p, port=50051, metrics_port=9100)
-        cli.add_flag(p, "--http-port", "HANDOFF_HTTP_PORT", 8000,
-                     "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                     "/metrics); 0 = a free one, -1 = off", int)
-        cli.add_flag(p, "--queue-timeout-s", "HANDOFF_QUEUE_TIMEOUT_S", 5.0,
-                     "how long a request may wait for decode capacity", float)
-        cli.add_flag(p, "--max-queued", "HANDOFF_MAX_QUEUED", 128, "requests allowed to wait for capacity", int)
-        cli.add_flag(p, "--lease-ttl-s", "HANDOFF_LEASE_TTL_S", 10.0, "KV reservation lease", float)
-        cli.add_flag(p, "--prefill-mode", "HANDOFF_PREFILL_MODE", "disaggregated",
-                     "where prompts are prefilled: disaggregated (on a prefill worker, KV pushed to the decode "
-                     "worker), colocated (on the decode worker itself; no prefill pool needed) or conditional "
-                     "(on a prefill worker from --remote-prefill-min-tokens prompt tokens on, else colocated)")
-        cli.add_flag(p, "--remote-prefill-min-tokens", "HANDOFF_REMOTE_PREFILL_MIN_TOKENS",
-                     RouterConfig.remote_prefill_min_tokens,
-                     "conditional: the shortest prompt (in tokens) prefilled on a prefill worker "
-                     "(measure yours: python -m bench.token_path --only placement)", int)
-        cli.add_flag(p, "--remote-prefill-max-queue-ratio", "HANDOFF_REMOTE_PREFILL_MAX_QUEUE_RATIO",
-                     RouterConfig.remote_prefill_max_queue_ratio,
-                     "conditional: prefill on the decode worker a prompt that would queue behind more than "
-                     "this many times its length in prompts no longer than it on the least loaded prefill worker "
-                     "(0 = off)",
-                     float)
-        cli.add_flag(p, "--remote-prefill-queue-max-tokens", "HANDOFF_REMOTE_PREFILL_QUEUE_MAX_TOKENS",
-                     RouterConfig.remote_prefill_queue_max_tokens,
-                     "conditional: the longest prompt the queue rule may send to the decode worker", int)
-        cli.add_flag(p, "--routing", "HANDOFF_ROUTING", "cache_aware",
-                     "prefill worker choice: cache_aware (the longest cached prompt prefix, unless that worker is "
-                     "busier than the least loaded by more than --cache-balance) or least_loaded")
-        cli.add_flag(p, "--cache-balance", "HANDOFF_CACHE_BALANCE", 4,
-                     "cache_aware: requests in flight a worker may have beyond the least loaded one", int)
-        cli.add_flag(p, "--drain-timeout-s", "HANDOFF_DRAIN_TIMEOUT_S", 25.0,
-                     "on SIGTERM, how long in-flight streams may take to finish", float)
-        cli.add_public_tls_flags(p)
-        cli.add_flag(p, "--api-keys-file", "HANDOFF_API_KEYS_FILE", None,
-                     "file of API keys clients must send as 'authorization: Bearer <key>' (one per line, # comments); "
-                     "keys may also come comma-separated in env HANDOFF_API_KEYS; none = no key needed")
+        settings.add_to(p, settings.ROUTER)
         args = vars(p.parse_args(argv))
-        logging.basicConfig(level=args.pop("log_level").upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        cli.setup_logging(args.pop("log_level"))
         try:
-            api_keys = security.read_api_keys(args.pop("api_keys_file"), cli.api_keys_env())
-            config = cls(tls=cli.pop_tls_config(args), api_keys=api_keys, **args)
-            security.check(config.tls)
-            return config
+            return cls.from_settings(args)
         except ValueError as exc:
             p.error(str(exc))
+
+    @classmethod
+    def from_settings(cls, args: dict) -> "RouterConfig":
+        """The router's fields of parsed settings (router.cluster's carry the workers' too)."""
+        names = {f.name for f in fields(cls)} - {"tls", "api_keys"}
+        api_keys = security.read_api_keys(args.get("api_keys_file"), cli.api_keys_env())
+        config = cls(tls=cli.tls_config(args), api_keys=api_keys, **{k: v for k, v in args.items() if k in names})
+        security.check(config.tls)
+        return config

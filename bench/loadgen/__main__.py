@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from common import settings
 from bench.harness import emit, emit_load_avg, emit_skipped, log
 from router.config import RouterConfig
 from bench.loadgen.cluster import PinnedCluster, modes, router_prefill_modes
@@ -289,8 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--mixes", nargs="+", choices=list(MIXES), help="default: all (quick: chat)")
     p.add_argument("--rates", nargs="+", type=float, help="req/s for every mix; default: multiples of 1 / "
                    "the mix's unloaded end-to-end time (full 1 2 3.5, quick 0.5 1.5)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
-    p.add_argument("--kv-memory-gib", type=float, default=1.0, help="KV pool of each decode worker")
+    p.add_argument("--dtype", default=settings.default("dtype"), choices=settings.DTYPES)
+    p.add_argument("--kv-memory-gib", type=float, default=settings.default("kv_memory_gib"), help="KV pool of each decode worker")
     p.add_argument("--remote-prefill-min-tokens", type=int, default=RouterConfig.remote_prefill_min_tokens,
                    help="conditional mode: prompts of at least this many tokens are prefilled remotely "
                    "(default: the router's)")

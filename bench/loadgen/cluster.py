@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import settings
 from common import redis_server
 from common.ports import free_port
 from common.redis_server import EmbeddedRedis, connect
@@ -106,7 +107,7 @@ class Proc:
 class PinnedCluster:
     """Redis, the mode's workers and a router; `with` it, so every process stops on any exit."""
 
-    def __init__(self, mode: Mode, log_dir: Path, *, dtype: str = "auto", kv_memory_gib: float = 1.0,
+    def __init__(self, mode: Mode, log_dir: Path, *, dtype: str = settings.default("dtype"), kv_memory_gib: float = settings.default("kv_memory_gib"),
                  remote_prefill_min_tokens: int = RouterConfig.remote_prefill_min_tokens,
                  remote_prefill_max_queue_ratio: float = RouterConfig.remote_prefill_max_queue_ratio):
         self.mode, self.log_dir = mode, Path(log_dir)

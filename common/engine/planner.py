@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # the KV dtypes a worker serves (--dtype, common/settings.py)
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--memory-gib", type=float, default=1.0, help="KV memory budget")
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPE_BYTES),
+                   help="the KV dtype: what --dtype auto gives on a GPU or a CPU with native bf16 (default bf16)")
+    p.add_argument("--memory-gib", type=float, default=1.0, help="KV memory budget (a decode worker's --kv-memory-gib)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tokens", type=int, default=2048, help="sequence length for the per-sequence figures")
     args = p.parse_args(argv)

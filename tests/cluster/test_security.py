@@ -118,11 +118,11 @@ def test_service_flags_read_tls_and_api_keys_from_the_environment(pki, tmp_path,
     assert config.health_port == 50052
     assert config.api_keys == (*API_KEYS, "extra-key-1")
     assert not any(k in repr(config) for k in config.api_keys), "a config's repr never shows a key"
-    worker = WorkerConfig.from_args("decode", [], port=50071, metrics_port=0)
+    worker = WorkerConfig.from_args("decode", [])
     assert worker.tls == pki.tls and worker.health_port == 50052
     monkeypatch.setenv("HANDOFF_TLS_KEY", str(pki.rogue_key))
     with pytest.raises(SystemExit):  # a key that does not match: refused at start, before the model loads
-        WorkerConfig.from_args("decode", [], port=50071, metrics_port=0)
+        WorkerConfig.from_args("decode", [])
 
 
 # --------------------------------------------------------------------------- API keys

@@ -2,7 +2,6 @@
 reserved again when Redis loses them, and are reported lost when they cannot be."""
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
