@@ -74,8 +74,8 @@ def stream(target: str, request: handoff_pb2.GenerateRequest, timeout_s: float |
     }
 
 
-def add_request_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", help="raw text to continue")
+def add_request_flags(p: argparse.ArgumentParser, prompt_help: str = "raw text to continue (no chat template)") -> None:
+    p.add_argument("--prompt", help=prompt_help)
     p.add_argument("--message", action="append", help="a chat message role:content (repeatable)")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)

@@ -143,7 +143,8 @@ def main(argv=None) -> None:
                    help="auto (bf16 where the hardware multiplies it natively, else fp32), fp32, bf16")
     p.add_argument("--kv-memory-gib", type=float, default=0.5, help="KV pool per decode worker")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = cores / workers")
-    client.add_request_flags(p)
+    client.add_request_flags(p, prompt_help="a user message, sent as one chat turn (the model's chat template applies; "
+                                            "python -m router.client --prompt sends raw text)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
