@@ -1,6 +1,6 @@
 """python -m bench.engine: the engine alone against HF transformers and llama.cpp, same weights, same run.
 
-    python -m bench.engine                    # every figure, bf16 (a few minutes)
+    python -m bench.engine                    # every figure, dtype auto (a few minutes)
     python -m bench.engine --quick            # CI smoke: small sizes, under 2 minutes
     python -m bench.engine --only prefill decode --dtype fp32
     python -m bench.engine --profile          # top ops of one decode step at batch 1 and 32 (stderr)

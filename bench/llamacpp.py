@@ -1,6 +1,7 @@
 """llama.cpp as the engine benchmark's second peer, through llama-cpp-python on the same GGUF file.
 
-llama.cpp runs its own kernels on the file's packed Q4_1 weights; ours dequantizes them at load time.
+llama.cpp runs its own kernels on the file's packed Q4_1 weights; ours decodes the same blocks (codes and
+scales as stored, laid out for its kernels) and prefills with dense copies in the dtype.
 Both get the same token ids (ours tokenizes, llama.cpp only evaluates), the same thread count and
 greedy decoding. llama-cpp-python is optional: pip compiles llama.cpp for several minutes, so it is
 not in requirements*.txt and `make bench-peers` installs it.
