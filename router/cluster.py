@@ -124,6 +124,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m router.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=cli.env("HANDOFF_MODEL", DEFAULT_MODEL))
+    p.add_argument("--served-model-name", default=cli.env("HANDOFF_SERVED_MODEL_NAME", ""),
+                   help="the model name(s) the OpenAI API answers to, comma-separated (responses report the "
+                        "first); empty = the model's own name (smollm2, a .gguf file's stem, an HF folder's name)")
     p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=cli.env("HANDOFF_PREFILL_MODE", "disaggregated"),
                    help="where prompts are prefilled: on prefill workers (disaggregated), on the decode workers "
                         "(colocated) or by prompt length (conditional, see --remote-prefill-min-tokens)")
@@ -149,8 +152,12 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.prefill is None:
         args.prefill = 0 if args.prefill_mode == "colocated" else 1
-    router = RouterConfig(prefill_mode=args.prefill_mode, remote_prefill_min_tokens=args.remote_prefill_min_tokens,
-                          remote_prefill_max_queue_ratio=args.remote_prefill_max_queue_ratio)
+    try:
+        router = RouterConfig(prefill_mode=args.prefill_mode, remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+                              remote_prefill_max_queue_ratio=args.remote_prefill_max_queue_ratio,
+                              served_model_name=args.served_model_name)
+    except ValueError as exc:
+        p.error(str(exc))
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, kv_memory_gib=args.kv_memory_gib,
                       threads=args.threads, router=router, http_port=args.http_port)

@@ -18,6 +18,10 @@ class RouterConfig:
     port: int = 50051
     redis_url: str | None = None
     model: str = "smollm2"
+    # The names the OpenAI API answers to, comma-separated (vLLM's --served-model-name): /v1/models lists
+    # them, a request's "model" must be one of them, responses report the first. Empty = the model's own
+    # name (common/engine/model_files.served_name: `smollm2`, a .gguf file's stem, an HF folder's name).
+    served_model_name: str = ""
     metrics_port: int = 0
     default_max_tokens: int = 256
     max_messages: int = 256  # chat messages per request
@@ -90,7 +94,18 @@ class RouterConfig:
                              "requests are ended within the lease TTL)")
         if self.http_port < -1:
             raise ValueError(f"http_port must be a port, 0 (a free one) or -1 (off), got {self.http_port}")
+        names = self.served_model_names
+        if self.served_model_name.strip() and (not all(names) or len(set(names)) != len(names)):
+            raise ValueError(f"served_model_name must be distinct non-empty names separated by commas, "
+                             f"got {self.served_model_name!r}")
         self.tls.check_for_service()
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """served_model_name's names; () when unset (the router then serves the model's own name)."""
+        if not self.served_model_name.strip():
+            return ()
+        return tuple(name.strip() for name in self.served_model_name.split(","))
 
     @classmethod
     def from_args(cls, argv: list[str] | None) -> "RouterConfig":
@@ -99,6 +114,10 @@ class RouterConfig:
         cli.add_flag(p, "--http-port", "HANDOFF_HTTP_PORT", 8000,
                      "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
                      "/metrics); 0 = a free one, -1 = off", int)
+        cli.add_flag(p, "--served-model-name", "HANDOFF_SERVED_MODEL_NAME", "",
+                     "the model name(s) the OpenAI API answers to, comma-separated: /v1/models lists them, a "
+                     "request's model must be one of them, responses report the first; empty = the model's "
+                     "own name (smollm2, a .gguf file's stem, an HF folder's name)")
         cli.add_flag(p, "--queue-timeout-s", "HANDOFF_QUEUE_TIMEOUT_S", 5.0,
                      "how long a request may wait for decode capacity", float)
         cli.add_flag(p, "--max-queued", "HANDOFF_MAX_QUEUED", 128, "requests allowed to wait for capacity", int)
