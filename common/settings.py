@@ -87,6 +87,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("log_level", "INFO", "logging level", EVERY, _level, LOG_LEVELS),
     # The model and how it is computed.
     _s("model", "smollm2", "a .gguf file, an HF checkpoint folder, or a short name (smollm2)", EVERY),
+    _s("served_model_name", "", "the model name(s) the OpenAI API answers to, comma-separated: /v1/models "
+       "lists them, a request's model must be one of them, responses report the first; empty = the model's own "
+       "name (smollm2, a .gguf file's stem, an HF folder's name)", (ROUTER, CLUSTER)),
     _s("dtype", "auto", "weights and KV dtype: auto (bf16 on CUDA and on CPUs with native bf16 matmuls, "
        "AVX512_BF16 or AMX; else fp32); prefill and decode pools must agree", (*WORKERS, CLUSTER), choices=DTYPES),
     _s("device", "cpu", "torch device: cpu or cuda[:N]", (*WORKERS, CLUSTER)),
@@ -227,7 +230,7 @@ def _argument(parser: argparse.ArgumentParser, s: Setting, default) -> dict:
 
 
 def _shown(value) -> str:
-    if value is None:
+    if value is None or value == "":
         return "unset"
     if isinstance(value, bool):
         return str(value).lower()

@@ -17,6 +17,10 @@ class RouterConfig:
     port: int = 50051
     redis_url: str | None = None
     model: str = default("model")
+    # The names the OpenAI API answers to, comma-separated (vLLM's --served-model-name): /v1/models lists
+    # them, a request's "model" must be one of them, responses report the first. Empty = the model's own
+    # name (common/engine/model_files.served_name: `smollm2`, a .gguf file's stem, an HF folder's name).
+    served_model_name: str = default("served_model_name")
     metrics_port: int = 0
     default_max_tokens: int = default("default_max_tokens")
     max_messages: int = default("max_messages")
@@ -75,7 +79,18 @@ class RouterConfig:
                              "requests are ended within the lease TTL)")
         if self.http_port < -1:
             raise ValueError(f"http_port must be a port, 0 (a free one) or -1 (off), got {self.http_port}")
+        names = self.served_model_names
+        if self.served_model_name.strip() and (not all(names) or len(set(names)) != len(names)):
+            raise ValueError(f"served_model_name must be distinct non-empty names separated by commas, "
+                             f"got {self.served_model_name!r}")
         self.tls.check_for_service()
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """served_model_name's names; () when unset (the router then serves the model's own name)."""
+        if not self.served_model_name.strip():
+            return ()
+        return tuple(name.strip() for name in self.served_model_name.split(","))
 
     @classmethod
     def from_args(cls, argv: list[str] | None) -> "RouterConfig":

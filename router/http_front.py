@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common import metrics, security
+from common.engine.model_files import served_name
 from common.engine.sampling import MAX_SEED, derive_seed
 from common.grpc_common import PortInUse, ServiceError
 from protos import handoff_pb2
@@ -119,11 +120,11 @@ class Generations:
 class OpenAIApp:
     """The routes and what they share: the router, the API keys, the generation slots."""
 
-    def __init__(self, router: Router, keys: security.APIKeys, *, model_id: str, is_ready):
+    def __init__(self, router: Router, keys: security.APIKeys, *, model_names: tuple[str, ...], is_ready):
         cfg = router.config
         self.router = router
         self.keys = keys
-        self.model_id = model_id
+        self.model_names = model_names  # what a request's "model" may be; responses report the first
         self.is_ready = is_ready  # () -> bool: /health's answer
         self.max_body_bytes = cfg.max_body_bytes
         self.slots = _Slots(cfg.max_streams)
@@ -151,7 +152,7 @@ class OpenAIApp:
             self._authenticate(request)
         except APIError as exc:
             return self._error(request, exc)
-        body = openai_schema.models_list(self.model_id, self.created, self.router.model_config.max_position)
+        body = openai_schema.models_list(self.model_names, self.created, self.router.model_config.max_position)
         return self._respond(request, JSONResponse(body))
 
     async def health(self, request: Request) -> Response:
@@ -173,7 +174,7 @@ class OpenAIApp:
         try:
             self._authenticate(request)
             body = await self._json_body(request)
-            parsed = openai_schema.parse_request(body, chat=chat, model_id=self.model_id)
+            parsed = openai_schema.parse_request(body, chat=chat, model_names=self.model_names)
             # The whole request's deadline from its arrival, as a gRPC deadline bounds a Generate call.
             timeout_s = min(_timeout_s(request) or math.inf, self.router.config.max_request_s)
             deadline = time.monotonic() + timeout_s
@@ -185,7 +186,7 @@ class OpenAIApp:
         except Exception as exc:  # noqa: BLE001 - a bug answers 500, never a dropped connection
             log.exception("%s %s failed", request.method, request.url.path)
             return self._error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-        builder = ResponseBuilder(parsed, response_id=response_id, created=int(time.time()), model=self.model_id,
+        builder = ResponseBuilder(parsed, response_id=response_id, created=int(time.time()), model=self.model_names[0],
                                   fingerprint=self.fingerprint, token_text=self.token_text)
         watcher = asyncio.create_task(_watch_disconnect(request, gens))
         streaming = False
@@ -411,7 +412,8 @@ class HTTPServer:
 
     def __init__(self, router: Router, keys: security.APIKeys, *, is_ready):
         self.config = cfg = router.config
-        self.api = OpenAIApp(router, keys, model_id=cfg.model, is_ready=is_ready)
+        model_names = cfg.served_model_names or (served_name(cfg.model),)
+        self.api = OpenAIApp(router, keys, model_names=model_names, is_ready=is_ready)
         self.port = 0
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None

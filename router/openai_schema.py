@@ -156,16 +156,18 @@ def _show(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def parse_request(body: object, *, chat: bool, model_id: str) -> ParsedRequest:
+def parse_request(body: object, *, chat: bool, model_names: Sequence[str]) -> ParsedRequest:
     """A /v1/chat/completions (chat) or /v1/completions body as a GenerateRequest; APIError (400, 404)
-    for what JSON or the OpenAI API adds. Ranges are left to RequestValidator."""
+    for what JSON or the OpenAI API adds. Ranges are left to RequestValidator. `model`, when given, must
+    be one of `model_names` (the served names, never the model's path: vLLM's rule)."""
     if not isinstance(body, dict):
         raise bad_param(None, "the request body must be a JSON object")
     p = _Body(body)
     model = p.str("model")
-    if model is not None and model != model_id:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_id!r} "
-                            f"(GET /v1/models)", param="model", code="model_not_found")
+    if model is not None and model not in model_names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(map(repr, model_names))} (GET /v1/models)",
+                       param="model", code="model_not_found")
     for name, unused in _UNSUPPORTED.items():
         if not unused(body.get(name)):
             raise bad_param(name, f"{name} is not supported by this server")
@@ -403,6 +405,7 @@ def usage(finals: Sequence[handoff_pb2.GenerateResponse]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def models_list(model_id: str, created: int, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                        "owned_by": "handoff", "max_model_len": max_model_len}]}
+def models_list(model_names: Sequence[str], created: int, max_model_len: int) -> dict:
+    """/v1/models: one entry per served name, all of them the same model (as vLLM lists them)."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "handoff",
+                                        "max_model_len": max_model_len} for name in model_names]}

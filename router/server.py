@@ -67,7 +67,8 @@ class RouterServer:
                "TLS, client certificates required" if cfg.tls.require_client_cert else "TLS")
         log.info("router listening on %s:%d (%s; %s)%s", cfg.host, self.port, tls,
                  f"{len(keys)} API keys" if keys.enabled else "no API key needed",
-                 f", OpenAI-compatible HTTP on :{self.http_port}" if self.http else "")
+                 f", OpenAI-compatible HTTP on :{self.http_port} (model {', '.join(self.http.api.model_names)})"
+                 if self.http else "")
         return self
 
     def _on_loop(self, coro):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"
@@ -38,3 +39,21 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
         raise ModelNotFoundError(f"model {key!r}: no such file or folder, and not a known short name "
                                  f"({known}); give a .gguf file or an HF checkpoint folder")
     return path
+
+
+def served_name(name_or_path: str | Path) -> str:
+    """The name an API knows a model by when the operator gives none (the router's --served-model-name):
+    a short name as it is (`smollm2`); a .gguf file's stem (`SmolLM2-135M-Instruct.Q4_1`); an HF
+    folder's own name, or `org/name` for a snapshot folder of the Hugging Face cache
+    (`.../models--org--name/snapshots/<commit>`), whose own name is a commit hash.
+
+    The stem, not the GGUF's `general.name`: that is free text (`Smollm2 135M 8k Lc100K Mix1 Ep2` in the
+    default model's file), the same for every quantization of a model, and not what the operator sees
+    or typed. Nor an HF config's `_name_or_path`: that is whatever path the checkpoint was saved from."""
+    key = str(name_or_path)
+    if key in _PACKAGED:
+        return key
+    path = Path(os.path.abspath(Path(key).expanduser()))  # "." and ".." as the folders they name
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.stem if path.suffix.lower() == ".gguf" else path.name

@@ -292,6 +292,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         with urllib.request.urlopen(completion, timeout=60, context=context) as resp:
             answer = json.loads(resp.read())
         assert answer["choices"][0]["text"] == "".join(c.text for c in chunks), answer
+        assert answer["model"] == "smollm2", "the ConfigMap's empty served-model-name serves the model's own name"
         assert chunks[-1].finish_reason in (handoff_pb2.FINISH_REASON_STOP, handoff_pb2.FINISH_REASON_LENGTH)
         assert "".join(c.text for c in chunks).strip(), "decoded text came back"
         if client_tls:  # every serving port refuses a plaintext caller

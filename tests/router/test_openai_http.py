@@ -378,13 +378,13 @@ def test_parse_maps_openai_parameters_onto_generate_request():
             "max_tokens": 5, "max_completion_tokens": 7, "stop": "END", "top_k": -1, "min_p": 0.1, "seed": 3,
             "logprobs": True, "top_logprobs": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True},
             "user": "u-1", "ignore_eos": True, "unknown_extra": {"ignored": True}}
-    parsed = openai_schema.parse_request(body, chat=True, model_id="m")
+    parsed = openai_schema.parse_request(body, chat=True, model_names=("m",))
     r = parsed.request
     assert [(m.role, m.content) for m in r.messages] == [("system", "a\nb"), ("user", "hi")]
     assert r.max_tokens == 7 and list(r.stop) == ["END"] and r.top_k == 0 and r.HasField("top_k")
     assert r.seed == 3 and r.logprobs and r.top_logprobs == 4 and r.ignore_eos and not r.HasField("temperature")
     assert parsed.n == 2 and parsed.stream and parsed.include_usage and parsed.logprobs
-    completion = openai_schema.parse_request({"prompt": [[1, 2, 3]], "logprobs": 0}, chat=False, model_id="m")
+    completion = openai_schema.parse_request({"prompt": [[1, 2, 3]], "logprobs": 0}, chat=False, model_names=("m",))
     assert list(completion.request.prompt_token_ids) == [1, 2, 3] and completion.request.top_logprobs == 0
     assert completion.logprobs and not completion.request.prompt
 
