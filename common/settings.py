@@ -22,6 +22,7 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 PREFILL_MODES = ("disaggregated", "colocated", "conditional")
 ROUTINGS = ("cache_aware", "least_loaded")
 DENSE_WEIGHTS = ("auto", "keep", "lazy")
+GENERATION_CONFIGS = ("auto", "none")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 def _level(text: str) -> str:
@@ -151,7 +152,12 @@ SETTINGS: tuple[Setting, ...] = (
        (ROUTER, CLUSTER), int),
     _s("lease_ttl_s", 10.0, "KV reservation lease: a dead router's reservations come back within this",
        (ROUTER, CLUSTER), float),
-    _s("default_max_tokens", 256, "max_tokens of a request that sets none", (ROUTER, CLUSTER), int),
+    _s("generation_config", "auto", "auto: the sampling settings the model's files carry (an HF folder's "
+       "generation_config.json, a GGUF's general.sampling.*) fill a request's unset temperature, top_p, top_k, "
+       "min_p, repetition_penalty and max_tokens, as vLLM's --generation-config auto does; none: handoff's own "
+       "defaults (protos/handoff.proto)", (ROUTER, CLUSTER), choices=GENERATION_CONFIGS),
+    _s("default_max_tokens", 256, "max_tokens of a request that sets none (and whose model files set none)",
+       (ROUTER, CLUSTER), int),
     _s("max_request_s", 600.0, "the deadline of a request whose client sets none", (ROUTER, CLUSTER), float),
     _s("max_attempts", 3, "tries of one request across workers (the retry budget of failover)",
        (ROUTER, CLUSTER), int),

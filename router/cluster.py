@@ -119,6 +119,25 @@ class Cluster:
         self.stop()
 
 
+# The one-shot answer's sampling when neither the command nor the model's files set any: a 135M model at
+# temperature 1.0 often drifts into word salad after a sentence. SmolLM2's model card samples with these.
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def demo_sampling(args: argparse.Namespace, file_defaults: dict) -> str:
+    """Fill DEMO_SAMPLING into `args` where it applies; what the answer samples with, in words."""
+    if any(getattr(args, name) is not None for name in _SAMPLING_FIELDS):
+        return "as the command line sets it"
+    if any(name in file_defaults for name in _SAMPLING_FIELDS):
+        return "the model's own settings (" + ", ".join(f"{k} {v}" for k, v in file_defaults.items()) + ")"
+    for name, value in DEMO_SAMPLING.items():
+        setattr(args, name, value)
+    return (", ".join(f"{k} {v}" for k, v in DEMO_SAMPLING.items()) + " (this command's demo default: the "
+            "model's files set none; --temperature 1 --top-p 1 samples the model's raw distribution, "
+            "--temperature 0 is greedy)")
+
+
 def parse_args(argv=None) -> tuple[argparse.Namespace, RouterConfig, WorkerConfig]:
     """The command line (and HANDOFF_* environment) as the cluster's router and worker configs."""
     from router import client
@@ -162,6 +181,7 @@ def main(argv=None) -> None:
             if args.prompt and not args.message:
                 # A prompt from the command line is a user turn of a chat, rendered by the model's template.
                 args.message, args.prompt = [f"user:{args.prompt}"], None
+            print(f"sampling: {demo_sampling(args, cluster.router.sampling_defaults)}", file=sys.stderr)
             print_summary = client.print_summary
             print_summary(client.stream(cluster.address, client.build_request(args), args.timeout_s))
         else:

@@ -63,7 +63,7 @@ class Router:
     Built and used on the router's event loop."""
 
     def __init__(self, config: RouterConfig, state: StateStore, tokenizer: Tokenizer, model_config, weights_id: str,
-                 router_id: str = ""):
+                 router_id: str = "", sampling_defaults: dict | None = None):
         self.config = config
         self.state = state
         self.tokenizer = tokenizer
@@ -71,7 +71,7 @@ class Router:
         self.router_id = router_id
         self.weights_id = weights_id
         self.validator = RequestValidator(tokenizer, model_config, default_max_tokens=config.default_max_tokens,
-                                          max_messages=config.max_messages)
+                                          max_messages=config.max_messages, sampling_defaults=sampling_defaults)
         # Redis calls and tokenization: on a few threads, whatever the number of requests in flight.
         self.blocking = BlockingPool(config.blocking_threads)
         self.picker = WorkerPicker(state, self.blocking, weights_id, lease_ttl_s=config.lease_ttl_s,
