@@ -98,10 +98,6 @@ def test_the_check_catches_a_broken_tls_setup(mutate, problem):
     assert any(problem in p for p in redis_tls_problems(objs)), redis_tls_problems(objs)
 
 
-def test_the_bundled_overlays_keep_plaintext_inside_the_cluster():
-    assert any("rediss://" in p for p in redis_tls_problems(render("cpu")))
-
-
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory):
     """A real Redis (embedded valkey) with a password, behind TLS with a certificate for `localhost`

@@ -138,7 +138,7 @@ def test_the_loader_fills_the_claim_where_the_component_reads():
     # what it writes, the services (uid/gid 10001) read
     services = workloads(render(OWN))
     assert {pod_spec(w)["securityContext"]["fsGroup"] for w in services} == {spec["securityContext"]["fsGroup"]}
-    name, tag = split_image(ctr["image"])
+    _, tag = split_image(ctr["image"])
     assert tag and tag != "latest", ctr["image"]
     copies = re.findall(r"kubectl -n \S+ cp \S+ " + re.escape(pod["metadata"]["name"]) + r":(\S+)",
                         LOADER.read_text())

@@ -22,10 +22,10 @@ from common.ports import free_port
 from tests.deploy.manifests import (
     API_KEYS_SECRET,
     COMPOSED,
-    POOLS,
-    ROOT,
     MODELS_CLAIM,
+    POOLS,
     REDIS_TLS_SECRET,
+    ROOT,
     TLS_SECRET,
     bundled_redis,
     compose,
@@ -190,7 +190,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
     from protos import handoff_pb2, handoff_pb2_grpc
     from tests.support.tls_proxy import TLSProxy
 
-    deployments = {c: one(objs, "Deployment", c) for c in (*POOLS, "redis") if c in POOLS or bundled_redis(objs)}
+    deployments = {c: one(objs, "Deployment", c) for c in ((*POOLS, "redis") if bundled_redis(objs) else POOLS)}
 
     plain = Resolver(objs)
     if "redis" in deployments:  # the password the Redis Deployment requires, from the rendered Secret
