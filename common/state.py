@@ -398,7 +398,8 @@ class StateStore:
         kwargs = client.connection_pool.connection_kwargs
         self._password = kwargs.get("password")
         where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-        self.url = f"redis://{where}/{kwargs.get('db', 0)}"  # never holds the password
+        scheme = "rediss" if issubclass(client.connection_pool.connection_class, redis.SSLConnection) else "redis"
+        self.url = f"{scheme}://{where}/{kwargs.get('db', 0)}"  # never holds the password; rediss = TLS
         # redis-py runs these by EVALSHA and re-loads them on NOSCRIPT, e.g. after a Redis restart.
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)

@@ -22,9 +22,12 @@ from common.ports import free_port
 from tests.deploy.manifests import (
     API_KEYS_SECRET,
     COMPOSED,
+    MODELS_CLAIM,
     POOLS,
+    REDIS_TLS_SECRET,
     ROOT,
     TLS_SECRET,
+    bundled_redis,
     compose,
     container,
     kustomize_build,
@@ -87,12 +90,19 @@ class Resolver:
     def argv(self, ctr: dict, env: dict[str, str]) -> list[str]:
         return [expand(a, env) for a in ctr.get("command", []) + ctr.get("args", [])]
 
-    def mount_secrets(self, deployment: dict, ctr: dict, root: Path) -> dict[str, Path]:
+    def mount_volumes(self, deployment: dict, ctr: dict, root: Path,
+                      claims: dict[str, Path] | None = None) -> dict[str, Path]:
         """The container's Secret volumes written under `root`, one file per key with the volume's
-        defaultMode, as the kubelet mounts them; returns mountPath -> local folder."""
+        defaultMode, as the kubelet mounts them, and its PersistentVolumeClaims as the local folders
+        `claims` names; returns mountPath -> local folder."""
         volumes = {v["name"]: v for v in pod_spec(deployment).get("volumes", [])}
         mounted = {}
         for mount in ctr.get("volumeMounts", []):
+            claim = volumes[mount["name"]].get("persistentVolumeClaim")
+            if claim is not None:
+                assert claim["claimName"] in (claims or {}), f"{ctr['name']}: no local folder for claim {claim}"
+                mounted[mount["mountPath"].rstrip("/")] = claims[claim["claimName"]]
+                continue
             source = volumes[mount["name"]].get("secret")
             if source is None:
                 continue
@@ -107,15 +117,16 @@ class Resolver:
 
 
 def remap_mounted(env: dict[str, str], mounted: dict[str, Path]) -> dict[str, str]:
-    """Environment values that are paths on a mounted volume, moved to where it was written here;
-    each must name a file the volume holds."""
+    """Paths on a mounted volume in environment values — the whole value, or a URL parameter's
+    (rediss://...?ssl_ca_certs=PATH) — moved to where the volume is here; each must exist on it."""
     out = dict(env)
-    for name, value in env.items():
+    for name in env:
         for mount_path, folder in mounted.items():
-            if value.startswith(mount_path + "/"):
-                local = folder / value[len(mount_path) + 1:]
-                assert local.is_file(), f"{name}={value}: the mounted Secret has no such key"
-                out[name] = str(local)
+            def local(match: re.Match) -> str:
+                path = folder / match.group(2)[len(mount_path) + 1:]
+                assert path.exists(), f"{name}={env[name]}: the mounted volume has no {match.group(2)}"
+                return match.group(1) + str(path)
+            out[name] = re.sub(rf"(^|=)({re.escape(mount_path)}/[^&\s]*)", local, out[name])
     return out
 
 
@@ -164,26 +175,37 @@ def wait_serving(port: int, proc: subprocess.Popen, deadline: float, what: str, 
     pytest.fail(f"{what}: health on port {port} still {status} at the startup probe's deadline\n{logs()}")
 
 
-def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None, api_key: str | None = None) -> None:
+def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None, api_key: str | None = None,
+                           redis_tls: tuple[Path, Path] | None = None, claims: dict[str, Path] | None = None) -> None:
     """Start router, prefill and decode as the rendered Deployments describe them, wait for their
     probes, send one Generate through the router (over `client_tls`, with `api_key`), check the
-    autoscalers' metrics, then SIGTERM them all and check that they drain in time."""
+    autoscalers' metrics, then SIGTERM them all and check that they drain in time.
+
+    Without a Redis Deployment (components/external-redis), the services' rediss:// URL reaches the
+    local Redis through TLS with `redis_tls` (certificate, key: for `localhost`, from the CA in the
+    rendered Secret). `claims` maps PersistentVolumeClaims to local folders."""
     from common import grpc_common, security
     from common.redis_server import EmbeddedRedis, connect
     from common.state import StateStore
     from protos import handoff_pb2, handoff_pb2_grpc
+    from tests.support.tls_proxy import TLSProxy
 
-    deployments = {c: one(objs, "Deployment", c) for c in (*POOLS, "redis")}
+    deployments = {c: one(objs, "Deployment", c) for c in ((*POOLS, "redis") if bundled_redis(objs) else POOLS)}
 
-    # Redis: the password the Redis Deployment requires, from the rendered Secret.
-    redis_ctr = container(deployments["redis"])
     plain = Resolver(objs)
-    redis_argv = plain.argv(redis_ctr, plain.env(deployments["redis"], redis_ctr))
-    password = redis_argv[redis_argv.index("--requirepass") + 1]
+    if "redis" in deployments:  # the password the Redis Deployment requires, from the rendered Secret
+        redis_ctr = container(deployments["redis"])
+        redis_argv = plain.argv(redis_ctr, plain.env(deployments["redis"], redis_ctr))
+        password = redis_argv[redis_argv.index("--requirepass") + 1]
+        redis_service = one(objs, "Service", "redis")
+        service_hosts = {redis_service["metadata"]["name"],
+                         f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc"}
+    else:  # an external Redis: the password the services send, from the operator's Secret
+        assert redis_tls, "an external Redis is reached over TLS: give the test server a certificate"
+        router_ctr = container(deployments["router"])
+        password = plain.env(deployments["router"], router_ctr)["REDIS_PASSWORD"]
+        service_hosts = set()
     assert password and "$(" not in password, "the Redis password resolves from the Secret"
-    redis_service = one(objs, "Service", "redis")
-    service_hosts = {redis_service["metadata"]["name"],
-                     f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc"}
 
     # Every port a service listens on moves to a free local one (three "pods" share 127.0.0.1).
     port_map: dict[int, int] = {}
@@ -192,6 +214,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
             port_map[p["containerPort"]] = free_port()  # never the same port twice in a process
 
     server = EmbeddedRedis(password=password).start()
+    proxy = TLSProxy(server.port, *redis_tls).start() if redis_tls else None
     procs: dict[str, subprocess.Popen] = {}
     log_paths = {c: tmp_path / f"{c}.log" for c in POOLS}
 
@@ -205,6 +228,8 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         url = urlparse(value)
         if url.scheme == "redis" and url.hostname in service_hosts:
             return urlunparse(url._replace(netloc=f"127.0.0.1:{server.port}"))
+        if url.scheme == "rediss" and proxy is not None:  # the external Redis, its certificate's name
+            return urlunparse(url._replace(netloc=f"localhost:{proxy.port}"))
         return value
 
     def channel(port: int) -> grpc.Channel:
@@ -218,7 +243,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
     try:
         for component in POOLS:
             deployment, ctr = deployments[component], container(deployments[component])
-            mounted = resolver.mount_secrets(deployment, ctr, tmp_path / component)
+            mounted = resolver.mount_volumes(deployment, ctr, tmp_path / component, claims)
             env = remap_mounted(resolver.env(deployment, ctr), mounted)
             argv = resolver.argv(ctr, env)
             unresolved = [a for a in argv if "$(" in a]
@@ -330,11 +355,15 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
             assert proc.returncode == 0, f"{component} exited with {proc.returncode} after SIGTERM\n{logs()}"
         assert store.list_workers() == [], "drained workers deregister"
         client.close()
+        if proxy is not None:
+            assert proxy.num_handshakes >= len(POOLS) and proxy.num_refused == 0, "every service spoke TLS to Redis"
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if proxy is not None:
+            proxy.stop()
         server.stop()
 
 
@@ -370,3 +399,27 @@ def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
     # certificate is handed over for the KV-port check only.
     client_tls = TLSConfig(cert=str(cert), key=str(key), ca=str(ca[0]), server_name=server_name)
     run_as_local_processes(objs, tmp_path, client_tls=client_tls, api_key=api_key)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_cpu_overlay_with_own_model_and_redis_runs_as_a_working_cluster(tmp_path):
+    """model-pvc and external-redis, run: every service loads the model from the claim's path (a folder
+    here), and reaches Redis by the rendered rediss:// URL, through TLS, checked against the CA that the
+    Secret handoff-redis-tls mounts."""
+    from common.engine.model_files import resolve_model_path
+    from tests.support.certs import make_ca, make_cert
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = make_ca(pki, "redis-ca")
+    cert, key = make_cert(pki, "redis", ca, sans=("DNS:localhost",))
+    folder = tmp_path / "kustomize"
+    folder.mkdir()
+    compose(folder, "cpu", ("model-pvc", "external-redis"), secrets={REDIS_TLS_SECRET: {"ca.crt": ca[0].read_bytes()}})
+    objs = kustomize_build(folder)
+    model = of_kind(objs, "ConfigMap")[0]["data"]["model"]
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    (claim / Path(model).name).symlink_to(resolve_model_path("smollm2"))  # what loader.yaml's recipe copies
+    run_as_local_processes(objs, tmp_path, redis_tls=(cert, key), claims={MODELS_CLAIM: claim})

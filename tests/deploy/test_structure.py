@@ -12,13 +12,16 @@ from tests.deploy.manifests import (
     COMPOSED,
     NAME,
     OVERLAYS,
+    OWN,
     PART_OF,
     POOL_METRICS,
     POOLS,
+    REDIS_AUTH_SECRET,
     TLS_FILES,
     TLS_SECRET,
     WORKERS,
     all_containers,
+    bundled_redis,
     container,
     module_entry_exists,
     named_port,
@@ -240,15 +243,20 @@ def test_configuration_comes_from_the_configmap_and_the_password_from_a_secret(o
     objs = render(overlay)
     config = of_kind(objs, "ConfigMap")[0]
     url = urlparse(config["data"]["redis-url"])
-    assert url.scheme == "redis" and url.password is None and url.username is None, "no credentials in REDIS_URL"
-    redis_service = one(objs, "Service", "redis")
-    assert url.hostname in (redis_service["metadata"]["name"],
-                            f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc")
-    assert url.port in [p["port"] for p in redis_service["spec"]["ports"]]
-    redis_ctr = container(one(objs, "Deployment", "redis"))
-    args = redis_ctr["args"]
-    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    redis_secret = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis_ctr["env"]}["REDIS_PASSWORD"]
+    assert url.password is None and url.username is None, "no credentials in REDIS_URL"
+    if bundled_redis(objs):
+        assert url.scheme == "redis"
+        redis_service = one(objs, "Service", "redis")
+        assert url.hostname in (redis_service["metadata"]["name"],
+                                f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc")
+        assert url.port in [p["port"] for p in redis_service["spec"]["ports"]]
+        redis_ctr = container(one(objs, "Deployment", "redis"))
+        args = redis_ctr["args"]
+        assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+        redis_secret = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis_ctr["env"]}["REDIS_PASSWORD"]
+    else:  # components/external-redis: TLS, and the password of the operator's own Secret
+        assert url.scheme == "rediss", "an external Redis is reached over TLS"
+        redis_secret = {"name": REDIS_AUTH_SECRET, "key": "redis-password"}
     for component in POOLS:
         ctr = container(one(objs, "Deployment", component))
         refs = {e["name"]: e.get("valueFrom", {}) for e in ctr["env"]}
@@ -257,8 +265,8 @@ def test_configuration_comes_from_the_configmap_and_the_password_from_a_secret(o
         for name in ("HANDOFF_PORT", "HANDOFF_MODEL", "HANDOFF_METRICS_PORT"):
             assert refs[name]["configMapKeyRef"]["name"] == config["metadata"]["name"], f"{component}: {name}"
     secrets = of_kind(objs, "Secret")
-    if overlay == "gpu":
-        assert not secrets, "the gpu overlay ships no password: the operator supplies the Secret"
+    if overlay in ("gpu", OWN):
+        assert not secrets, f"the {overlay} overlay ships no password: the operator supplies the Secret"
     else:
         assert [s["metadata"]["name"] for s in secrets] == [redis_secret["name"]]
 
