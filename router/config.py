@@ -48,6 +48,7 @@ class RouterConfig:
     # dataclass (a library default); `python -m router` serves it on 8000, router.cluster too.
     http_port: int = -1
     max_body_bytes: int = default("max_body_bytes")  # the gRPC port's message limit too
+    body_timeout_s: float = 30.0  # an HTTP request body must arrive within this (and its deadline), else 408
     # TLS on the public port (client certificates only if tls.require_client_cert) and mutual
     # TLS on the channels to the workers.
     tls: TLSConfig = TLSConfig()
@@ -74,7 +75,8 @@ class RouterConfig:
                      "blocking_threads", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s", "drain_timeout_s"):
+        for name in ("max_request_s", "lease_ttl_s", "queue_timeout_s", "kv_wait_s", "drain_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s <= self.lease_ttl_s:

@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import math
+import re
 import socket
 import ssl
 import time
@@ -127,6 +128,7 @@ class OpenAIApp:
         self.model_names = model_names  # what a request's "model" may be; responses report the first
         self.is_ready = is_ready  # () -> bool: /health's answer
         self.max_body_bytes = cfg.max_body_bytes
+        self.body_timeout_s = cfg.body_timeout_s
         self.slots = _Slots(cfg.max_streams)
         self.created = int(time.time())
         self.fingerprint = f"fp_{router.weights_id[:16]}"
@@ -173,11 +175,14 @@ class OpenAIApp:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         try:
             self._authenticate(request)
-            body = await self._json_body(request)
-            parsed = openai_schema.parse_request(body, chat=chat, model_names=self.model_names)
+            # Admission before the body: a full port refuses at the headers, without reading (and holding) it.
+            if self.slots.used >= self.slots.total:
+                raise _port_full(self.slots.total)
             # The whole request's deadline from its arrival, as a gRPC deadline bounds a Generate call.
             timeout_s = min(_timeout_s(request) or math.inf, self.router.config.max_request_s)
             deadline = time.monotonic() + timeout_s
+            body = await self._json_body(request, deadline)
+            parsed = openai_schema.parse_request(body, chat=chat, model_names=self.model_names)
             response_id = request.headers.get(REQUEST_ID_HEADER) or \
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             gens = await self._start(parsed, response_id, timeout_s, deadline)
@@ -213,8 +218,7 @@ class OpenAIApp:
         if n > 1 and len(request_id) + 1 + len(str(n - 1)) > 128:
             raise openai_schema.bad_param(None, f"{REQUEST_ID_HEADER} is too long to name {n} choices")
         if not self.slots.take(n):
-            raise APIError(429, f"this router is serving {self.slots.total} generations already; retry shortly",
-                           headers={"Retry-After": "1"})
+            raise _port_full(self.slots.total)
         started = False
         try:
             pb = handoff_pb2.GenerateRequest()
@@ -314,23 +318,31 @@ class OpenAIApp:
                    else "the API key is not valid")
         raise APIError(401, message, headers={"WWW-Authenticate": "Bearer"})
 
-    async def _json_body(self, request: Request):
+    async def _json_body(self, request: Request, deadline: float):
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             raise _too_large(self.max_body_bytes)
         chunks, size = [], 0
+        # A body that stops arriving must not hold its connection (and a slot of max_streams) for good.
+        timeout_s = min(self.body_timeout_s, max(0.0, deadline - time.monotonic()))
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise _too_large(self.max_body_bytes)
-                chunks.append(chunk)
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise _too_large(self.max_body_bytes)
+                    chunks.append(chunk)
         except ClientDisconnect:
             raise APIError(CLIENT_GONE, "the client closed the connection while sending the request") from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
+                           headers={"Connection": "close"}) from None
         try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise openai_schema.bad_param(None, f"the request body is not valid JSON: {exc}") from None
+        _check_text(body)
+        return body
 
     def _error(self, request: Request, exc: APIError) -> Response:
         if exc.status >= 500 and exc.status != CLIENT_GONE:
@@ -377,6 +389,34 @@ def _timeout_s(request: Request) -> float | None:
 
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes")
+
+
+def _port_full(total: int) -> APIError:
+    return APIError(429, f"this router is serving {total} generations already; retry shortly",
+                    headers={"Retry-After": "1"})
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(body) -> None:
+    """400 naming the parameter for a string that holds a lone UTF-16 surrogate: JSON may escape one
+    ("\\ud800"), but it is no Unicode text, and encoding it (for the GenerateRequest, the tokenizer) fails.
+    Iterative: the body may nest as deep as json.loads allows."""
+    todo = [(body, None)]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            bad = None if value.isascii() else _SURROGATE.search(value)
+            if bad is not None:
+                raise openai_schema.bad_param(path, f"{path or 'the request body'} is not valid Unicode text: it "
+                                                    f"holds a lone UTF-16 surrogate (\\u{ord(bad.group()):04x})")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                todo.append((key, path))
+                todo.append((item, key if path is None else f"{path}.{key}"))
+        elif isinstance(value, list):
+            todo.extend((item, f"{path or ''}[{i}]") for i, item in enumerate(value))
 
 
 def _sse(obj: dict) -> str:
@@ -433,6 +473,8 @@ class HTTPServer:
         config = uvicorn.Config(
             self.api.app, log_level="warning", access_log=False, http="h11", loop="none", ws="none",
             lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s,
+            # Connections, open or idle, beyond the generations the port serves are refused (503) at once.
+            limit_concurrency=cfg.max_streams,
             ssl_certfile=tls.cert, ssl_keyfile=tls.key,
             ssl_ca_certs=tls.ca if tls.require_client_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE)

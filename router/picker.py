@@ -94,9 +94,12 @@ class WorkerPicker:
             if lease is not None:
                 return lease
             if workers and all(-(-num_tokens // w.block_size) > w.total_blocks for w in workers):
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"the request needs KV for {num_tokens} tokens (prompt + max_tokens), more "
-                                   f"than any decode worker's whole pool holds; lower max_tokens")
+                # No retry can succeed: a bad request (400), not a full cluster (429, which clients retry).
+                pool_tokens = max(w.total_blocks * w.block_size for w in workers)
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"max_tokens plus the prompt need KV for {num_tokens} tokens, more than the "
+                                   f"largest decode worker's whole pool holds ({pool_tokens} tokens); lower "
+                                   f"max_tokens by at least {num_tokens - pool_tokens}")
             largest = max([w.available_blocks or 0 for w in workers] + [0])
             if time.monotonic() >= until:
                 break

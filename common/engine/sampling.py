@@ -13,6 +13,7 @@ import torch
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
 MAX_SEED = 2**63 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PRESENCE_PENALTY = 2.0
@@ -108,6 +109,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a sequence of integers, "
                              f"got {type(self.stop_token_ids).__name__}")
         hi = "vocab_size" if vocab_size is None else str(vocab_size)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
         for i, tok in enumerate(self.stop_token_ids):
             tok = _integer(f"stop_token_ids[{i}]", tok)
             if tok < 0 or (vocab_size is not None and tok >= vocab_size):

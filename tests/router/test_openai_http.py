@@ -5,6 +5,7 @@ that leave mid-request (their KV freed, their record `cancelled`)."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -230,6 +231,7 @@ def test_n_choices_are_independent_seeded_generations(cluster, client, stub):
     (False, dict(prompt=[10**7]), "prompt"),
     (False, dict(logprobs=6, echo=True), "echo"),
     (False, dict(prompt="word " * 9000), "prompt"),
+    (False, dict(extra_body={"stop_token_ids": list(range(300))}), "stop_token_ids"),
 ])
 def test_bad_parameters_are_400_naming_them(client, chat, params, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -250,6 +252,26 @@ def test_malformed_and_oversized_bodies(cluster):
     nowhere = raw(cluster, "GET", "/v1/engines")
     assert nowhere.status_code == 404 and "error" in nowhere.json()
     assert raw(cluster, "GET", "/v1/completions").status_code == 405
+    deep = raw(cluster, "POST", "/v1/completions", content=b"[" * 5000)
+    assert deep.status_code == 400 and "JSON" in deep.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "ab", "stop": ["\\udfff"], "max_tokens": 2}', "stop[0]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud800"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}], "max_tokens": 2}',
+     "messages[0].content[0].text"),
+])
+def test_lone_surrogates_are_400_naming_the_parameter(cluster, route, body, param):
+    """JSON may escape half a UTF-16 pair (\\ud800): no text, and it cannot be encoded. It was a 500
+    ("internal error: UnicodeEncodeError ...") with a traceback in the log."""
+    got = raw(cluster, "POST", route, content=body.encode())
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == param and "surrogate" in error["message"], error
 
 
 def test_api_keys_are_the_grpc_ports(cluster, stub):
@@ -273,19 +295,91 @@ def test_unknown_model_is_404(client):
 
 
 def test_admission_refusals_are_429(cluster, client):
-    # More KV than the decode pool holds (prompt + max_tokens reserved up front): the picker refuses.
-    with pytest.raises(openai.RateLimitError) as err:
-        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4000)
-    assert "KV" in err.value.body["message"] and err.value.response.headers["retry-after"] == "1"
     # Every generation slot of the HTTP port taken.
     slots = cluster.router.http.api.slots
     slots.total, before = 0, slots.total
     try:
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.RateLimitError) as err:
             client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2)
+        assert err.value.response.headers["retry-after"] == "1"
     finally:
         slots.total = before
     wait_idle(cluster)
+
+
+def test_more_kv_than_any_pool_is_400_saying_the_limit(cluster, client):
+    """prompt + max_tokens reserved up front, more than the decode pool holds: no retry can succeed, so it
+    is a bad parameter (it was 429 with Retry-After, and clients retried it forever)."""
+    pool = cluster.decode[0].engine.pool
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4000)
+    body = err.value.body
+    assert body["param"] == "max_tokens" and "retry-after" not in err.value.response.headers
+    assert str(pool.num_blocks * pool.block_size) in body["message"], body["message"]
+    wait_idle(cluster)
+
+
+def _send_head(port: int, head: str, timeout_s: float = 20.0) -> tuple[socket.socket, str]:
+    """A connection that sent `head` (request line and headers, maybe part of a body) and nothing more; the
+    status line the server answered with, or '' if it closed without one, within timeout_s."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    sock.sendall(head.encode())
+    try:
+        data = sock.recv(4096)
+    except socket.timeout:
+        data = b"(no answer)"
+    return sock, data.decode(errors="replace").split("\r\n", 1)[0]
+
+
+def _post_head(path: str, content_length: int, body: str = "") -> str:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n{body}")
+
+
+def test_admission_comes_before_the_body(cluster):
+    """With every generation slot taken a request is refused at its headers, not after its body arrived
+    (a client that never sends its body got no answer at all)."""
+    slots = cluster.router.http.api.slots
+    slots.total, before = 0, slots.total
+    try:
+        sock, status = _send_head(cluster.router.http_port, _post_head("/v1/completions", 1000))
+        sock.close()
+    finally:
+        slots.total = before
+    assert status.startswith("HTTP/1.1 429"), status
+
+
+def test_a_body_that_does_not_arrive_is_408_and_connections_are_bounded():
+    """A body that stops arriving is answered 408 after body_timeout_s instead of holding its connection
+    for good; connections beyond max_streams are refused (503) rather than each held open."""
+    redis = EmbeddedRedis().start()
+    client, _ = connect(redis.url)
+    router = RouterServer(RouterConfig(host="127.0.0.1", port=0, http_port=0, max_streams=2, body_timeout_s=1.0,
+                                       redis_url=redis.url), StateStore(client)).start()
+    port = router.http_port
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(2)]
+        sock, status = _send_head(port, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.close()
+        assert status.startswith("HTTP/1.1 503"), status
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 20  # the server sees the two close
+        while True:
+            sock, status = _send_head(port, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.close()
+            if not status.startswith("HTTP/1.1 503") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status.startswith("HTTP/1.1 200"), status
+        t0 = time.monotonic()
+        sock, status = _send_head(port, _post_head("/v1/completions", 1000, '{"prompt": "a'))
+        sock.close()
+        assert status.startswith("HTTP/1.1 408"), status
+        assert time.monotonic() - t0 < 15
+    finally:
+        router.stop(grace_s=1)
+        redis.stop()
 
 
 def test_no_worker_is_503():
