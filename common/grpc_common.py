@@ -37,13 +37,17 @@ KEEPALIVE_OPTIONS = [
 
 class ServiceError(Exception):
     """A failure with the gRPC status it should reach the caller as, and trailing metadata to send
-    with it (e.g. which downstream worker failed: internal.proto's handoff-failed-* trailers)."""
+    with it (e.g. which downstream worker failed: internal.proto's handoff-failed-* trailers).
+    `detail`, when given, is what the log and the request record get instead of `message`: the
+    router's public errors keep worker ids, addresses and the Redis URL there, out of the message."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()):
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = (),
+                 detail: str = ""):
         super().__init__(message)
         self.code = code
         self.message = message
         self.trailers = trailers
+        self.detail = detail or message
 
 
 # Trailers a worker sets when the failure it reports is another worker's (internal.proto).

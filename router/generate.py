@@ -111,10 +111,28 @@ class RouterServicer(handoff_pb2_grpc.RouterServicer):
         self.router = router
 
     async def Generate(self, request: handoff_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        req = await self.router.validate(request)
-        remaining = context.time_remaining()
-        client_deadline = None if remaining is None else time.monotonic() + remaining
-        await GenerateCall(self.router, req, client_deadline).run(context.write)
+        try:
+            req = await self.router.validate(request)
+            remaining = context.time_remaining()
+            client_deadline = None if remaining is None else time.monotonic() + remaining
+            await GenerateCall(self.router, req, client_deadline).run(context.write)
+        except (ServiceError, ValueError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # a bug: the log gets its text and traceback (the interceptor), the client not
+            raise ServiceError(grpc.StatusCode.INTERNAL, internal_error(request.request_id)) from exc
+
+
+def internal_error(request_id: str) -> str:
+    """What a public client is told of a bug: no exception text (it may hold addresses, ids, paths)."""
+    return ("internal error in the router" + (f" [request {request_id}]" if request_id else "") +
+            "; its log has the details")
+
+
+def _unreachable(exc: StateUnavailable, what: str) -> ServiceError:
+    """Redis could not be asked: the client learns that, the log and the record where and why."""
+    return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                        f"the cluster state (Redis) is unreachable{what}; retry shortly",
+                        detail=f"the cluster state (Redis) is unreachable{what}: {exc}")
 
 
 class GenerateCall:
@@ -206,7 +224,9 @@ class GenerateCall:
                 max_tokens=self.req.params.max_tokens, router_id=self.r.router_id, seed=str(self.req.seed),
                 undo=never_served)
         except StateUnavailable as exc:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"cluster state (Redis) is unreachable: {exc}") from exc
+            error = _unreachable(exc, "")
+            log.warning("%s: %s", self.rid, error.detail)
+            raise self._public(error) from exc
         if not created:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {self.rid!r} is already in use; choose another or leave it empty")
@@ -216,8 +236,10 @@ class GenerateCall:
         try:
             reason = await self._serve(deadline)
         except ServiceError as exc:
-            error = exc.message
-            raise
+            # Public clients get the message and the request id; the record keeps the detail (invariant 1:
+            # the status says what went wrong, without worker ids, addresses or the Redis URL).
+            error = exc.detail
+            raise self._public(exc) from exc
         except asyncio.CancelledError:  # the client went away (or the server is stopping)
             reason = FinishReason.CANCELLED
             raise
@@ -231,6 +253,9 @@ class GenerateCall:
             if reason == FinishReason.ERROR and self._client_gone():
                 reason, error = FinishReason.CANCELLED, None
             await to_the_end(self._end(reason, error))
+
+    def _public(self, exc: ServiceError) -> ServiceError:
+        return ServiceError(exc.code, f"{exc.message} [request {self.rid}]", exc.trailers, detail=exc.detail)
 
     @staticmethod
     def _writer(send: Send) -> Send:
@@ -281,14 +306,14 @@ class GenerateCall:
                 if exc.role in ("decode", "lease"):
                     await self._release()
             except StateUnavailable as exc:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                   f"cluster state (Redis) is unreachable while choosing workers for {self.rid} "
-                                   f"({len(self.generated)} tokens streamed): {exc}; retry shortly") from exc
+                raise _unreachable(exc, f" while choosing workers ({len(self.generated)} tokens streamed)") \
+                    from exc
             if self._client_gone():
                 return FinishReason.CANCELLED
+        what = f"failed on {len(failures)} attempts (the retry budget) after {len(self.generated)} tokens"
         raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                           f"request {self.rid} failed on {len(failures)} attempts (the retry budget) after "
-                           f"{len(self.generated)} tokens: " + "; ".join(failures))
+                           f"the request {what}: the workers it was tried on failed or could not be reached; "
+                           f"retry shortly", detail=f"request {self.rid} {what}: " + "; ".join(failures))
 
     async def _attempt(self, attempt: int, deadline: float, exclude: Excluded) -> FinishReason:
         r, req = self.r, self.req
@@ -448,13 +473,14 @@ class GenerateCall:
             if self._lease_lost is not None:
                 raise _AttemptFailed("lease", self.rid, "", self._lease_lost) from exc
             if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= deadline:
-                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"request {self.rid} ran past its deadline after {len(self.generated)} "
-                                   f"tokens ({worker.role} worker {worker.worker_id})") from exc
+                late = f"the request ran past its deadline after {len(self.generated)} tokens"
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, late,
+                                   detail=f"{late} ({worker.role} worker {worker.worker_id})") from exc
             role, worker_id, epoch = grpc_common.blamed(exc) or (worker.role, worker.worker_id, worker.epoch)
             if code in _RETRYABLE:
                 raise _AttemptFailed(role, worker_id, epoch, f"{code.name}: {exc.details()}") from exc
-            raise ServiceError(code, f"{role} worker {worker_id}: {exc.details()}") from exc
+            raise ServiceError(code, f"a {role} worker refused the request ({code.name})",
+                               detail=f"{role} worker {worker_id}: {exc.details()}") from exc
 
     def _push(self, token_ids: list[int], logprobs=()) -> handoff_pb2.GenerateResponse | None:
         """Feed tokens through the output processor; the message to stream, the last one when finished.

@@ -42,7 +42,7 @@ from common.grpc_common import PortInUse, ServiceError
 from protos import handoff_pb2
 from router import openai_schema
 from router.openai_schema import APIError, ParsedRequest, ResponseBuilder
-from router.generate import GenerateCall, Router
+from router.generate import GenerateCall, Router, internal_error
 from router.validate import ValidRequest
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Generations:
         self.timeout_s = timeout_s
         self.deadline = deadline  # time.monotonic() when the request must be over
         self.num_choices = len(reqs)
+        self.request_ids = [req.request_id for req in reqs]
         self.client_gone = False
         self.num_open = len(reqs)
         self._slots = slots
@@ -188,9 +189,9 @@ class OpenAIApp:
             gens = await self._start(parsed, response_id, timeout_s, deadline)
         except APIError as exc:
             return self._error(request, exc)
-        except Exception as exc:  # noqa: BLE001 - a bug answers 500, never a dropped connection
+        except Exception:  # noqa: BLE001 - a bug answers 500, never a dropped connection
             log.exception("%s %s failed", request.method, request.url.path)
-            return self._error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+            return self._error(request, APIError(500, internal_error(request.headers.get(REQUEST_ID_HEADER, ""))))
         builder = ResponseBuilder(parsed, response_id=response_id, created=int(time.time()), model=self.model_names[0],
                                   fingerprint=self.fingerprint, token_text=self.token_text)
         watcher = asyncio.create_task(_watch_disconnect(request, gens))
@@ -302,7 +303,7 @@ class OpenAIApp:
             return APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(item))
         if isinstance(item, BaseException):
             log.error("HTTP generation failed", exc_info=item)
-            return APIError(500, f"internal error: {type(item).__name__}: {item}")
+            return APIError(500, internal_error(gens.request_ids[index]))
         return APIError(500, "the generation ended without an answer")
 
     # ---- plumbing

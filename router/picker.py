@@ -106,7 +106,7 @@ class WorkerPicker:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
         if not workers:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("decode", exclude))
+            raise self._none_left("decode", exclude)
         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
                            f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
@@ -132,13 +132,18 @@ class WorkerPicker:
         return None, workers
 
     @staticmethod
-    def _none_left(role: str, exclude: Excluded) -> str:
+    def _none_left(role: str, exclude: Excluded) -> ServiceError:
+        """UNAVAILABLE: no worker of `role` to try. The ids of those that failed go to the log and the
+        request record only (ServiceError.detail), never to the public client."""
         if exclude:
             failed = ", ".join(sorted(wid for wid, _ in exclude))
-            return (f"no {role} worker left to try: {failed} failed this request and no other (nor a "
-                    f"restarted one) is registered; retry shortly")
-        return (f"no {role} worker is registered (none started, all down, or Redis was reset and they "
-                f"have not re-registered yet); retry shortly")
+            left = "and no other (nor a restarted one) is registered; retry shortly"
+            return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                f"no {role} worker left to try: those tried failed this request {left}",
+                                detail=f"no {role} worker left to try: {failed} failed this request {left}")
+        return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                            f"no {role} worker is registered (none started, all down, or Redis was reset and "
+                            f"they have not re-registered yet); retry shortly")
 
     async def pick_prefill(self, deadline: float, exclude: Excluded = frozenset(),
                            prompt_ids: list[int] | None = None) -> tuple[WorkerInfo, int]:
@@ -156,7 +161,7 @@ class WorkerPicker:
                 break
             await asyncio.sleep(0.05)
         if not workers:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("prefill", exclude))
+            raise self._none_left("prefill", exclude)
         with self._lock:
             load = {w.worker_id: (self._prefill_load[w.worker_id], w.num_waiting) for w in workers}
             least = min(load.values())
