@@ -13,7 +13,8 @@ Keys, under the prefix:
     prefixes:<id>           SET hex prefix hashes of the prompt chunks the worker's cache holds (expires
                             with the registration)
     routers                 ZSET router_id -> registration expiry (ms)
-    router_requests:<id>    SET request ids the router has in flight (non-terminal records)
+    router_requests:<id>    SET request ids the router has in flight (non-terminal records); expires with
+                            its newest record's in-flight TTL
     drain:<id>              STRING the epoch an operator asked to drain (python -m router.status drain)
 """
 from __future__ import annotations
@@ -276,8 +277,10 @@ redis.call('HSET', KEYS[1], 'state', '{RequestState.QUEUED}', 'history', '[["{Re
            't_{RequestState.QUEUED}', ts, unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 if ARGV[3] ~= '' then
+  local set = ARGV[2] .. 'router_requests:' .. ARGV[3]
   redis.call('HSET', KEYS[1], 'router', ARGV[3])
-  redis.call('SADD', ARGV[2] .. 'router_requests:' .. ARGV[3], ARGV[4])
+  redis.call('SADD', set, ARGV[4])
+  redis.call('PEXPIRE', set, ARGV[1])  -- a member whose end was never recorded leaks nothing for good
 end
 return 1
 """
@@ -309,20 +312,17 @@ _TRANSITION = _LUA_TRANSITION_FN + """
 return transition(KEYS[1], ARGV[3], ARGV[4], ARGV[1], ARGV[2], {unpack(ARGV, 5)})
 """
 
-# ARGV: prefix, failed state, record ttl_ms. Every router whose registration expired: its requests
-# that are still in flight become `failed` (their leases are released at once, not left to expire),
-# and the router leaves the index. Returns {router_id, number of requests ended, ...}.
-_REAP_ROUTERS = _LUA_PRELUDE + _LUA_TRANSITION_FN + """
-local prefix, failed, ttl_ms = ARGV[1], ARGV[2], ARGV[3]
-local out = {}
-for _, router in ipairs(redis.call('ZRANGEBYSCORE', prefix .. 'routers', '-inf', now_ms())) do
+# A router's requests still in flight become `failed` with `why` (their leases are released at once,
+# not left to expire), and the router leaves the index. Returns the number of requests ended.
+_LUA_END_ROUTER_FN = _LUA_TRANSITION_FN + """
+local function end_router(prefix, router, failed, ttl_ms, why)
   local set = prefix .. 'router_requests:' .. router
   local ended = 0
   for _, rid in ipairs(redis.call('SMEMBERS', set)) do
     local key = prefix .. 'request:' .. rid
     local decode = redis.call('HGET', key, 'decode_worker')
-    if transition(key, prefix, rid, failed, ttl_ms, {'error', 'router ' .. router ..
-        ' stopped (its registration expired) before the request ended', 'finish_reason', 'error'}) == 1 then
+    if transition(key, prefix, rid, failed, ttl_ms, {'error', 'router ' .. router .. ' ' .. why,
+                                                     'finish_reason', 'error'}) == 1 then
       ended = ended + 1
     end
     if decode then
@@ -332,10 +332,27 @@ for _, router in ipairs(redis.call('ZRANGEBYSCORE', prefix .. 'routers', '-inf',
   end
   redis.call('DEL', set)
   redis.call('ZREM', prefix .. 'routers', router)
+  return ended
+end
+"""
+
+# ARGV: prefix, failed state, record ttl_ms. Every router whose registration expired is ended.
+# Returns {router_id, number of requests ended, ...}.
+_REAP_ROUTERS = _LUA_PRELUDE + _LUA_END_ROUTER_FN + """
+local prefix, failed, ttl_ms = ARGV[1], ARGV[2], ARGV[3]
+local out = {}
+for _, router in ipairs(redis.call('ZRANGEBYSCORE', prefix .. 'routers', '-inf', now_ms())) do
   out[#out + 1] = router
-  out[#out + 1] = ended
+  out[#out + 1] = end_router(prefix, router, failed, ttl_ms,
+                             'stopped (its registration expired) before the request ended')
 end
 return out
+"""
+
+# ARGV: prefix, router_id, failed state, record ttl_ms. A router that stops cleanly: what it still has in
+# flight is a request whose end it could not record (Redis refused it); it is ended as the reaper would.
+_DEREGISTER_ROUTER = _LUA_END_ROUTER_FN + """
+return end_router(ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'stopped without recording the end of the request')
 """
 
 
@@ -412,6 +429,7 @@ class StateStore:
         self._lease_blocks = client.register_script(_LEASE_BLOCKS)
         self._router_heartbeat = client.register_script(_ROUTER_HEARTBEAT)
         self._reap_routers = client.register_script(_REAP_ROUTERS)
+        self._deregister_router = client.register_script(_DEREGISTER_ROUTER)
 
     def __repr__(self) -> str:
         return f"StateStore({self.url}, prefix={self.prefix!r})"
@@ -567,9 +585,12 @@ class StateStore:
         self._router_heartbeat(keys=[f"{self.prefix}routers"], args=[router_id, _ms(ttl_s)])
 
     @_unavailable_as_state_error
-    def deregister_router(self, router_id: str) -> None:
-        """A router that stops cleanly (its requests are all terminal) leaves the index."""
-        self.client.zrem(f"{self.prefix}routers", router_id)
+    def deregister_router(self, router_id: str) -> int:
+        """A router that stops cleanly leaves the index with its in-flight set. Its requests are all over; a
+        record still in flight is one whose end it could not record: it is ended (failed) as the reaper
+        would, its lease released. Returns how many."""
+        return int(self._deregister_router(args=[self.prefix, router_id, RequestState.FAILED.value,
+                                                 _ms(self.record_ttl_s)]))
 
     @_unavailable_as_state_error
     def reap_routers(self) -> dict[str, int]:

@@ -132,7 +132,10 @@ class RouterServer:
         self._stop.set()
         self._heartbeat.join(timeout=5)
         try:
-            self.state.deregister_router(self.router_id)
+            num_unrecorded = self.state.deregister_router(self.router_id)
+            if num_unrecorded:
+                log.warning("%d requests' ends could not be recorded (Redis refused them); recorded them failed",
+                            num_unrecorded)
         except StateUnavailable as exc:
             log.warning("could not deregister (the entry expires by itself): %s", exc)
         self._on_loop(self._close_loop())

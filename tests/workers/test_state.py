@@ -416,6 +416,30 @@ def test_a_router_that_stops_cleanly_is_not_reaped(store):
     assert store.get_request("c1")["state"] == RequestState.FINISHED
 
 
+def test_a_routers_request_set_expires_and_a_clean_stop_leaves_nothing(store, client):
+    """router_requests:<router> had no TTL: a member whose end could not be recorded (Redis refused the
+    write) stayed, and a router that then stopped cleanly left the set, its record in flight and its
+    lease for good. Now the set expires with its newest record, and a clean stop ends what is left as
+    the reaper would (failed, lease released) and removes the set."""
+    store.register(decode_worker(), ttl_s=30)
+    store.router_heartbeat("router-d", ttl_s=30)
+    for rid in ("d1", "d2"):
+        assert store.create_request(rid, prompt_tokens=3, max_tokens=4, router_id="router-d")
+        assert store.reserve("d0", "e1", rid, 2, ttl_s=30).ok
+        store.transition(rid, RequestState.DECODING, decode_worker="d0")
+    key = f"{store.prefix}router_requests:router-d"
+    assert 0 < client.pttl(key) <= store.active_record_ttl_s * 1000
+    store.transition("d2", RequestState.FINISHED)
+    store.release("d0", "d2")
+    # d1's end was never recorded; the router stops cleanly.
+    assert store.deregister_router("router-d") == 1
+    assert not client.exists(key)
+    d1 = store.get_request("d1")
+    assert d1["state"] == RequestState.FAILED and "router-d" in d1["error"]
+    assert store.get_request("d2")["state"] == RequestState.FINISHED
+    assert store.reservations("d0") == {}
+
+
 def test_a_refused_command_is_state_unavailable_with_what_to_check(server):
     """OOM, READONLY, NOPERM: Redis answers but refuses. The caller gets the one StateUnavailable,
     saying what to look at, not a redis-py exception that would reach a client as INTERNAL."""
