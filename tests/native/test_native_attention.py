@@ -266,3 +266,21 @@ def test_the_portable_library_an_image_ships_loads_and_computes_the_same(tmp_pat
             assert torch.equal(_run(k, q, kv, tables, lens), _run(host, q, kv, tables, lens)), dtype
     finally:
         build.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("rows, threads", [(1, 1), (1, 2), (2, 2)], ids=["one-thread", "row-split", "items-split"])
+def test_a_failed_allocation_is_out_of_memory_not_refused_arguments(rows, threads, monkeypatch):
+    """The kernel's scratch for a context no host can hold (2**45 positions: petabytes of scores) cannot be
+    allocated. That is MemoryError, as every other kernel reports it; the attention kernel's own code for it
+    was read as "refused its arguments", which sends whoever debugs it after a bad call, not a full host."""
+    k = native_kernels()
+    q, kv, tables, _ = _case(torch.float32, [16] * rows)
+    lens = torch.full((rows,), 1 << 45, dtype=torch.int64)
+    monkeypatch.setattr(bindings, "SPLIT_MIN_WORK", 1 << 62 if threads == 1 else 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.raises(MemoryError, match="attention: out of memory"):
+            k.attention(q, kv, tables, lens, 1 << 45, BLOCK, DIM ** -0.5)
+    finally:
+        torch.set_num_threads(before)

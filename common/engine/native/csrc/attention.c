@@ -20,6 +20,7 @@
  *   table [rows, table_stride] block ids; slot of position p = table[p / block] * block + p % block
  *   out   [rows, heads, dim], contiguous
  */
+#include <errno.h>
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
@@ -435,7 +436,7 @@ static int NAME(const T *restrict q, const T *restrict kv, const int64_t *restri
     if (!scores || !qf) {                                                                              \
         free(scores);                                                                                  \
         free(qf);                                                                                      \
-        return -2;                                                                                     \
+        return -ENOMEM;                                                                                \
     }                                                                                                  \
     float *acc = qf + heads * dim, *tops = acc + heads * dim;                                          \
     for (int64_t hq = 0; hq < heads; hq++)                                                             \
@@ -521,7 +522,7 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
         float *scores = malloc(sizeof(float) * (size_t)(heads * longest));                             \
         float *qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                                 \
         const int err = scores && qf ? ITEMS(q, q_stride, kv, table, table_stride, lens, block, heads, kv_heads, \
-                                             dim, scale, window, softcap, out, 0, items, scores, qf) : -2; \
+                                             dim, scale, window, softcap, out, 0, items, scores, qf) : -ENOMEM; \
         free(scores);                                                                                  \
         free(qf);                                                                                      \
         return err;                                                                                    \
@@ -536,7 +537,7 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
     if (!unit || !cost) {                                                                              \
         free(unit);                                                                                    \
         free(cost);                                                                                    \
-        return -2;                                                                                     \
+        return -ENOMEM;                                                                                \
     }                                                                                                  \
     for (int64_t r = 0; r < rows; r++) {                                                               \
         cost[r] = lens[r] - window_first(lens[r], window);                                             \
@@ -561,7 +562,7 @@ int NAME(const T *q, int64_t q_stride, const T *kv, const int64_t *table, int64_
     {                                                                                                  \
         float *scores = malloc(sizeof(float) * (size_t)(heads * longest));                             \
         float *qf = malloc(sizeof(float) * (size_t)(2 * heads * dim));                                 \
-        if (!scores || !qf) err = -2;                                                                  \
+        if (!scores || !qf) err = -ENOMEM;                                                             \
         while (!err) {                                                                                 \
             const int64_t u = atomic_fetch_add(&next, 1);                                              \
             if (u >= n_units) break;                                                                   \
