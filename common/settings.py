@@ -121,8 +121,8 @@ SETTINGS: tuple[Setting, ...] = (
        "the rest (prompts longer than one --prefill-chunk-tokens chunk); false = push it all after the first "
        "token", (PREFILL, CLUSTER), bool),
     _s("kv_wait_s", 30.0, "how long a request's KV and its Decode call wait for each other on a decode "
-       "worker: the router sends its value with each request; a decode worker's own bounds KV that arrives "
-       "before its call",
+       "worker: the router sends its value with each request; a decode worker's own bounds it, and KV that "
+       "arrives before its call",
        (ROUTER, DECODE, CLUSTER), float),
     # The router: placement, admission and limits.
     _s("prefill_mode", "disaggregated", "where prompts are prefilled: disaggregated (on a prefill worker, KV "

@@ -176,8 +176,10 @@ class DecodeWorker(WorkerBase):
                                f"K/V was pushed for {rid} attempt {request.attempt}, yet its Decode asks to "
                                f"prefill here (prefill_here): an attempt is pushed or prefilled here, never "
                                f"both; the pushed K/V is dropped")
+        # A peer's wait is bounded by this worker's own: a call waiting longer holds its in-flight guard (and
+        # any drain behind it) for nothing (invariant 6: every guarantee has a bound).
         return DecodeJob(rid, key, prompt, output, params, seed, request.prefill_here,
-                         request.kv_wait_s or self.config.kv_wait_s)
+                         min(request.kv_wait_s or self.config.kv_wait_s, self.config.kv_wait_s))
 
     def check_kv(self, job: DecodeJob, kv_len: int | None, wait_s: float) -> None:
         """What the KV wait gave: the push's token count once it is parked, None if it never came."""

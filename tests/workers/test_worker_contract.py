@@ -318,6 +318,42 @@ def test_the_heartbeat_outlives_redis_refusing_commands_and_health_follows(clust
             client.close()
 
 
+@pytest.mark.parametrize("rpc", ["Decode", "DecodeSession"])
+def test_a_peers_kv_wait_is_bounded_by_the_workers_own(cluster, rpc):
+    """A Decode (or a session's start) may ask for any KV wait; a peer asking for 10**9 s held its call, its
+    in-flight guard and a drain behind it for as long. The worker's own kv_wait_s bounds it."""
+    cfg = replace(cluster.worker_config, role="decode", worker_id=f"bounded-{rpc}", kv_wait_s=1.0, kv_memory_gib=0.01)
+    worker = DecodeWorker(cfg, cluster.state, model=cluster.decode[0].model,
+                          tokenizer=cluster.decode[0].tokenizer).start()
+    rid = f"long-wait-{rpc}-{time.monotonic_ns()}"
+    try:
+        assert worker.registration.registered.wait(10)
+        assert cluster.state.reserve(worker.config.worker_id, worker.epoch, rid, 2, ttl_s=60).ok
+        request = internal_pb2.DecodeRequest(
+            request_id=rid, epoch=worker.epoch, prompt_ids=PROMPT, output_ids=[7], attempt=1, kv_wait_s=1e9,
+            sampling=sampling_to_pb(SamplingParams(temperature=0.0, max_tokens=3), 0))
+        t0 = time.monotonic()
+        with grpc.insecure_channel(worker.address) as ch:
+            stub = internal_pb2_grpc.DecodeWorkerStub(ch)
+            if rpc == "Decode":
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Decode(request, timeout=20))
+                code, details = err.value.code(), err.value.details()
+            else:
+                stream = stub.DecodeSession(iter([internal_pb2.SessionRequest(start=request)]), timeout=20)
+                try:
+                    event = next(ev for msg in stream for ev in msg.events)
+                    code = next(c for c in grpc.StatusCode if c.value[0] == event.status_code)
+                    details = event.status_message
+                except grpc.RpcError as exc:
+                    code, details = exc.code(), exc.details()
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+        assert "did not arrive within 1.0 s" in details and time.monotonic() - t0 < 15
+    finally:
+        cluster.state.release(worker.config.worker_id, rid)
+        worker.stop(drain_timeout_s=1)
+
+
 # --------------------------------------------------------------------------- two workers on one host
 
 def _spawn(module: str, redis_url: str, *args: str) -> subprocess.Popen:
