@@ -78,6 +78,7 @@ class DecodeSession:
         self._out: queue.SimpleQueue = queue.SimpleQueue()  # (key, TokenEvent | ServiceError) | _FLUSH | _END
         self._lock = threading.Lock()
         self._live: dict[str, tuple[PendingEvent, int, contextlib.ExitStack]] = {}  # key -> (pending, attempt, guard)
+        self._closed = False  # set by _close(), under _lock: a start that comes later is not taken
 
     def run(self, requests):
         """The RPC: read requests on a thread of their own, write events here until the stream ends."""
@@ -117,7 +118,15 @@ class DecodeSession:
             self._fail_now(request.request_id, request.attempt, exc)
             return
         with self._lock:
-            self._live[key] = (PendingEvent(job.request_id), request.attempt, guard)
+            # The lease check above is a Redis round trip: the stream may have closed meanwhile, and nobody
+            # would ever end a request that joined after that (invariant 2: every KV block freed).
+            closed = self._closed
+            if not closed:
+                self._live[key] = (PendingEvent(job.request_id), request.attempt, guard)
+        if closed:
+            w.inbox.cancel(key)
+            guard.close()
+            return
         sink = lambda ev: self._out.put((key, ev))  # noqa: E731 - engine thread: a put, nothing more
 
         def submit(parked: bool) -> None:
@@ -162,6 +171,7 @@ class DecodeSession:
     def _close(self) -> None:
         """The stream ended: every request still on it is cancelled, its blocks freed, its guard let go."""
         with self._lock:
+            self._closed = True
             live, self._live = self._live, {}
         for key, (_, _, guard) in live.items():
             self.w.inbox.cancel(key)

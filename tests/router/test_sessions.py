@@ -7,7 +7,9 @@ requests held, and the decode worker does no text work (the router matches stop 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import signal
 import threading
 import time
 
@@ -155,6 +157,45 @@ def test_ending_the_session_frees_what_its_requests_held(cluster):
         time.sleep(0.05)
     for r in (rid, waiting):
         cluster.state.release(d.config.worker_id, r)
+    wait_idle(cluster)
+
+
+def test_a_start_that_lands_after_the_session_closed_is_not_decoded_for_nobody(cluster):
+    """A start checks its lease in Redis before it joins the session's requests. A session that closes
+    meanwhile (the router went away) used to miss it: the start then joined after the close, was decoded
+    for nobody, and its in-flight guard was never let go, so every later drain waited its whole timeout.
+    Redis is paused (SIGSTOP) to hold the start in its lease check while the session closes."""
+    d = cluster.decode[0]
+    ids = d.tokenizer.encode("The history of the printing press")
+    for attempt in range(5):  # the pause must stay under the Redis socket timeout (2 s): retried if not
+        rid = f"late-start-{attempt}-{time.monotonic_ns()}"
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, 32, 30).ok
+        listeners = len(d.engine.step_listeners)
+        _, ch, requests, stream = _session(cluster)
+        os.kill(cluster.redis.pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        try:
+            requests.put(_start(d, rid, ids, prefill_here=True))
+            while d.num_inflight == 0 and time.monotonic() - t_stop < 1.5:
+                time.sleep(0.001)  # the start took its guard and waits for Redis
+            stream.cancel()
+            while len(d.engine.step_listeners) > listeners and time.monotonic() - t_stop < 1.5:
+                time.sleep(0.001)  # the session has closed
+        finally:
+            os.kill(cluster.redis.pid, signal.SIGCONT)
+            paused_s = time.monotonic() - t_stop
+            requests.put(None)
+            ch.close()
+        deadline = time.monotonic() + 10
+        while (d.num_inflight or d.engine.num_active) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (d.num_inflight, d.engine.num_active) == (0, 0), \
+            f"a start that landed after its session closed holds its guard and decodes for nobody ({paused_s:.2f} s)"
+        cluster.state.release(d.config.worker_id, rid)
+        if paused_s < 1.5:
+            break
+    else:
+        pytest.skip("Redis could not be paused briefly enough to hold a start across the close")
     wait_idle(cluster)
 
 
