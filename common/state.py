@@ -155,12 +155,26 @@ redis.call('ZADD', KEYS[1], now_ms() + ttl_ms, ARGV[1])
 return 1
 """
 
-# KEYS: workers index, worker hash, leases, lease_blocks. ARGV: worker_id, epoch.
+# KEYS: workers index, worker hash, leases, lease_blocks. ARGV: worker_id, epoch, '1' to keep the leases.
 _DEREGISTER = """
 if redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then return 0 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+if ARGV[3] == '1' then redis.call('DEL', KEYS[2]) else redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) end
 redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
+"""
+
+# KEYS: leases, lease_blocks. ARGV: epoch. Drops the leases made against `epoch`; returns how many.
+_DROP_LEASES = """
+local dropped = 0
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if string.match(all[i + 1], '^%d+:(.*)$') == ARGV[1] then
+    redis.call('ZREM', KEYS[1], all[i])
+    redis.call('HDEL', KEYS[2], all[i])
+    dropped = dropped + 1
+  end
+end
+return dropped
 """
 
 # ARGV: prefix, role ('' = any), then worker ids ('' ids = every registered worker).
@@ -420,6 +434,7 @@ class StateStore:
         # redis-py runs these by EVALSHA and re-loads them on NOSCRIPT, e.g. after a Redis restart.
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
+        self._drop_leases = client.register_script(_DROP_LEASES)
         self._list_workers = client.register_script(_LIST_WORKERS)
         self._reserve = client.register_script(_RESERVE)
         self._renew = client.register_script(_RENEW)
@@ -454,11 +469,19 @@ class StateStore:
     register = heartbeat  # registering is the first heartbeat
 
     @_unavailable_as_state_error
-    def deregister(self, worker_id: str, epoch: str) -> bool:
+    def deregister(self, worker_id: str, epoch: str, keep_leases: bool = False) -> bool:
         """Removes the worker and its leases, only if it still runs `epoch` (a restarted
-        worker's old process must not remove the new one)."""
+        worker's old process must not remove the new one). keep_leases: a draining worker leaves the
+        registry (nobody reserves on it any more) but its requests keep their leases, which their
+        routers go on renewing until they end (drop_leases() once it has drained)."""
         return bool(self._deregister(keys=[f"{self.prefix}workers", *self._worker_keys(worker_id)],
-                                     args=[worker_id, epoch]))
+                                     args=[worker_id, epoch, "1" if keep_leases else "0"]))
+
+    @_unavailable_as_state_error
+    def drop_leases(self, worker_id: str, epoch: str) -> int:
+        """Removes the leases made on the worker at `epoch` (it has drained): how many were left."""
+        _, leases, blocks = self._worker_keys(worker_id)
+        return int(self._drop_leases(keys=[leases, blocks], args=[epoch]))
 
     @_unavailable_as_state_error
     def list_workers(self, role: str | None = None) -> list[WorkerInfo]:

@@ -175,15 +175,16 @@ class Registration:
                 log.warning("registration lapsed: routers no longer see this worker until Redis answers")
             self._on_status(current)
 
-    def stop(self, deregister: bool = True) -> None:
-        """End the heartbeat (also before start(): it then never beats) and leave the registry."""
+    def stop(self, deregister: bool = True, keep_leases: bool = False) -> None:
+        """End the heartbeat (also before start(): it then never beats) and leave the registry, with the
+        leases on this worker unless keep_leases (a drain: its requests keep theirs until they end)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         if deregister:
             info = self._info()
             try:
-                self.state.deregister(info.worker_id, info.epoch)
+                self.state.deregister(info.worker_id, info.epoch, keep_leases=keep_leases)
             except StateUnavailable as exc:
                 log.warning("could not deregister (the entry expires by itself): %s", exc)
 
@@ -403,8 +404,11 @@ class WorkerBase:
         if self.server is None:
             return
         grpc_common.set_serving(self.health, self.service_names, False)
-        # Leave the registry first so routers stop sending new requests here.
-        self.registration.stop(deregister=True)
+        # Leave the registry first so routers stop sending new requests here, keeping the leases of the
+        # requests in flight: their routers go on renewing them, so a stream longer than the lease TTL
+        # finishes here instead of being declared lost and failed over (invariant 6: the drain's bound is
+        # drain_timeout_s, not the lease TTL).
+        self.registration.stop(deregister=True, keep_leases=True)
         deadline = time.monotonic() + timeout
         while (self.num_inflight > 0 or self.engine.num_active > 0) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -414,6 +418,10 @@ class WorkerBase:
         self.engine.stop()
         self.server.stop(grace=1.0).wait()
         self._stop_extra()
+        try:
+            self.state.drop_leases(self.config.worker_id, self.epoch)  # those the drain timeout cut short
+        except StateUnavailable as exc:
+            log.warning("could not drop the leases left on this worker (they expire by themselves): %s", exc)
         if self.health_server is not None:
             self.health_server.stop(grace=None)
         self._end_drain_request()
