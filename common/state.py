@@ -16,6 +16,7 @@ Keys, under the prefix:
     router_requests:<id>    SET request ids the router has in flight (non-terminal records); expires with
                             its newest record's in-flight TTL
     drain:<id>              STRING the epoch an operator asked to drain (python -m router.status drain)
+    reaped_at               STRING Redis time (ms) of the last reap_routers() by anyone
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 
 import redis
+
+
+# Every process reaps dead routers with each heartbeat (0.5 s): a longer gap since anyone did means Redis
+# was out of reach for everyone, and the routers' registrations do not run down for that time.
+REAP_MAX_GAP_S = 1.0
 
 
 class StateUnavailable(RuntimeError):
@@ -350,12 +356,27 @@ local function end_router(prefix, router, failed, ttl_ms, why)
 end
 """
 
-# ARGV: prefix, failed state, record ttl_ms. Every router whose registration expired is ended.
+# ARGV: prefix, failed state, record ttl_ms, max_gap_ms. Every router whose registration expired is ended.
+# Every live worker and router reaps with each heartbeat, so a longer gap than max_gap_ms since the last
+# reap means nobody reached Redis meanwhile (it was down, or unreachable), and no router could heartbeat:
+# that time is not counted against their registrations, which are pushed back by it. Without this the
+# first process back after an outage longer than a router's TTL reaped every live router.
 # Returns {router_id, number of requests ended, ...}.
 _REAP_ROUTERS = _LUA_PRELUDE + _LUA_END_ROUTER_FN + """
-local prefix, failed, ttl_ms = ARGV[1], ARGV[2], ARGV[3]
+local prefix, failed, ttl_ms, max_gap = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local index = prefix .. 'routers'
+local now = now_ms()
+local last = redis.call('GET', prefix .. 'reaped_at')
+redis.call('SET', prefix .. 'reaped_at', now, 'PX', 86400000)
+if last and now - tonumber(last) > max_gap then
+  local shift = now - tonumber(last) - max_gap
+  local all = redis.call('ZRANGE', index, 0, -1, 'WITHSCORES')
+  for i = 1, #all, 2 do
+    redis.call('ZADD', index, string.format('%d', tonumber(all[i + 1]) + shift), all[i])
+  end
+end
 local out = {}
-for _, router in ipairs(redis.call('ZRANGEBYSCORE', prefix .. 'routers', '-inf', now_ms())) do
+for _, router in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', now)) do
   out[#out + 1] = router
   out[#out + 1] = end_router(prefix, router, failed, ttl_ms,
                              'stopped (its registration expired) before the request ended')
@@ -620,7 +641,8 @@ class StateStore:
         """Ends the in-flight records of every router whose registration expired (state failed,
         leases released): router_id -> requests ended. Cheap when none died; every worker and
         router runs it with its heartbeat, so one survivor suffices."""
-        flat = self._reap_routers(args=[self.prefix, RequestState.FAILED.value, _ms(self.record_ttl_s)])
+        flat = self._reap_routers(args=[self.prefix, RequestState.FAILED.value, _ms(self.record_ttl_s),
+                                        _ms(REAP_MAX_GAP_S)])
         return {router: int(n) for router, n in zip(flat[::2], flat[1::2])}
 
     @_unavailable_as_state_error

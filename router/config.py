@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from common import cli, security, settings
+from common.redis_server import SOCKET_TIMEOUT_S
 from common.security import TLSConfig
 from common.settings import PREFILL_MODES, ROUTINGS, default
 
@@ -28,7 +29,9 @@ class RouterConfig:
     max_request_s: float = default("max_request_s")
     lease_ttl_s: float = default("lease_ttl_s")
     heartbeat_s: float = 0.5  # the router's registration beat; its requests are reaped ...
-    heartbeat_ttl_s: float = 2.0  # ... this long after its last beat
+    # ... this long after its last beat: more than one heartbeat that times out (the Redis socket timeout)
+    # and the next beat, so a Redis that answers slowly for a moment does not get a live router reaped.
+    heartbeat_ttl_s: float = 3.0
     queue_timeout_s: float = default("queue_timeout_s")
     max_queued: int = default("max_queued")
     kv_wait_s: float = default("kv_wait_s")
@@ -79,6 +82,9 @@ class RouterConfig:
                      "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_ttl_s <= SOCKET_TIMEOUT_S + self.heartbeat_s:
+            raise ValueError(f"heartbeat_ttl_s must be longer than the Redis socket timeout ({SOCKET_TIMEOUT_S:g} s) "
+                             f"plus heartbeat_s: one heartbeat that times out must not get a live router reaped")
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s <= self.lease_ttl_s:
             raise ValueError("heartbeat_s < heartbeat_ttl_s <= lease_ttl_s must hold (a dead router's "
                              "requests are ended within the lease TTL)")

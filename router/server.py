@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 
 from common import grpc_aio_server, grpc_common, security
@@ -117,7 +118,12 @@ class RouterServer:
         """Keeps this router registered (its requests' records are ended by others if it dies) and
         ends the records of routers that died."""
         cfg = self.config
-        while not self._stop.wait(cfg.heartbeat_s):
+        next_beat = time.monotonic() + cfg.heartbeat_s
+        # Beats start every heartbeat_s, not heartbeat_s after the last one ended: after a call that timed out
+        # (the Redis socket timeout) the next goes at once, so one slow answer never costs more than the
+        # socket timeout plus one beat of the registration's TTL.
+        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
+            next_beat = time.monotonic() + cfg.heartbeat_s
             try:
                 self.state.router_heartbeat(self.router_id, cfg.heartbeat_ttl_s)
                 for router_id, num_ended in self.state.reap_routers().items():

@@ -151,3 +151,13 @@ def test_every_variable_a_deployment_sets_is_a_setting_of_its_service(overlay):
             name = var["name"]
             if name.startswith(("HANDOFF_", "REDIS_")):
                 assert name in known, f"{component} sets {name}, which {service} does not read"
+
+
+def test_a_routers_registration_outlives_one_heartbeat_that_times_out():
+    """The router's heartbeat TTL was the Redis socket timeout (2 s): one beat that timed out let its
+    registration lapse, and any worker then reaped the live router's requests."""
+    from common.redis_server import SOCKET_TIMEOUT_S
+    config = RouterConfig()
+    assert config.heartbeat_ttl_s > SOCKET_TIMEOUT_S + config.heartbeat_s
+    with pytest.raises(ValueError, match="socket timeout"):
+        RouterConfig(heartbeat_ttl_s=SOCKET_TIMEOUT_S)

@@ -14,7 +14,7 @@ from protos import handoff_pb2, handoff_pb2_grpc
 from router.cluster import Cluster
 from router.config import RouterConfig
 
-LEASE_TTL_S = 2.0  # the least the router allows (its heartbeat TTL): a lease is lost 2 s after its worker left
+LEASE_TTL_S = 3.0  # the least the router allows (its heartbeat TTL): a lease is lost 3 s after its worker left
 
 
 def test_a_drain_lets_a_stream_longer_than_the_lease_ttl_finish_where_it_runs():
