@@ -24,9 +24,11 @@ class KVInbox:
     are per attempt, so an abandoned attempt's tombstone never refuses the next attempt's push.
     """
 
-    def __init__(self, ttl_s: float, drop: Callable[[str], None]):
+    def __init__(self, ttl_s: float, drop: Callable[[str], None],
+                 on_cancel: Callable[[str], None] = lambda key: None):
         self.ttl_s = ttl_s
         self._drop = drop
+        self._on_cancel = on_cancel  # cancel(key) was called: a push of key still arriving is cut off
         self._cond = threading.Condition()
         self._arrived: dict[str, tuple[float, int]] = {}  # key -> (monotonic arrival, num_tokens)
         self._cancelled: dict[str, float] = {}
@@ -87,6 +89,7 @@ class KVInbox:
             self._cancelled[key] = time.monotonic()
         if parked:
             self._drop(key)
+        self._on_cancel(key)
         if waiter is not None:
             waiter[1](None)
         return parked

@@ -22,6 +22,7 @@ from common.state import StateUnavailable, WorkerInfo
 from common.pb_convert import check_request_id, check_token_ids, sampling_from_pb
 from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox, seq_key
+from decode_svc.pushes import PushesInFlight
 from decode_svc.router_session import DecodeSession, PendingEvent
 from protos import internal_pb2, internal_pb2_grpc
 
@@ -67,7 +68,10 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
-        self.inbox = KVInbox(ttl_s=config.kv_wait_s, drop=lambda key: self.engine.cancel(key))
+        # The bytes of pushes being received, counted against their leases; max_bytes (the pool's) once started.
+        self.pushes = PushesInFlight(max_bytes=0)
+        self.inbox = KVInbox(ttl_s=config.kv_wait_s, drop=lambda key: self.engine.cancel(key),
+                             on_cancel=self.pushes.cut)
         self.kv_port = 0
         self.kv_server = None
 
@@ -100,6 +104,8 @@ class DecodeWorker(WorkerBase):
         internal_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self), server)
 
     def _start_extra(self) -> None:
+        pool = self.engine.pool
+        self.pushes.max_bytes = self.fingerprint().kv_bytes(pool.num_blocks * pool.block_size)
         # Decode's KV port is its own server: pushes never compete with Decode streams or health
         # probes for RPC slots, and a NetworkPolicy can open the port to prefill pods alone.
         self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
@@ -197,9 +203,10 @@ class DecodeWorker(WorkerBase):
                                f"the KV pushed for {job.request_id} holds {kv_len} tokens, prompt_ids has "
                                f"{len(job.prompt)}")
 
-    def check_lease(self, request_id: str, num_tokens: int) -> None:
+    def check_lease(self, request_id: str, num_tokens: int) -> int:
         """Work for a request is taken only under a live reservation of this worker's blocks, at this
-        epoch, large enough: otherwise Redis may have promised the blocks to someone else."""
+        epoch, large enough: otherwise Redis may have promised the blocks to someone else. The lease's
+        blocks."""
         try:
             blocks = self.state.lease_blocks(self.config.worker_id, self.epoch, request_id)
         except StateUnavailable as exc:
@@ -215,6 +222,14 @@ class DecodeWorker(WorkerBase):
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"{request_id} reserved {blocks} KV blocks on {self.config.worker_id}, its "
                                f"{num_tokens} tokens need {need}")
+        return blocks
+
+    def _after_beat(self) -> None:
+        super()._after_beat()
+        if len(self.pushes):
+            # A push whose lease ended is cut off: its sender may hang on to it until its own deadline.
+            seen_at = time.monotonic()
+            self.pushes.cut_unleased(set(self.state.reservations(self.config.worker_id)), seen_at)
 
 
 class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
@@ -271,18 +286,36 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
     def PushKV(self, request_iterator, context):
         w = self.w
         wid = w.config.worker_id
+        pushes = []  # the push once its header is admitted, counted in w.pushes until the loop below ends
+
+        def admit(header: internal_pb2.KVHeader) -> None:
+            blocks = self._admit(header)
+            pool = w.engine.pool
+            pushes.append(w.pushes.admit(seq_key(header.request_id, header.attempt), header.request_id,
+                                         header.total_bytes, w.fingerprint().kv_bytes(blocks * pool.block_size),
+                                         context.cancel))
+
         # Received straight into page-locked memory when the pool is on a GPU: the copy into it is then direct.
         receiver = KVReceiver(expected_fingerprint=w.fingerprint(), worker_id=wid, epoch=w.epoch,
-                              max_bytes=w.max_kv_bytes(), admit=self._admit,
+                              max_bytes=w.max_kv_bytes(), admit=admit,
                               pin_memory=w.engine.runner.cache.kv.device.type == "cuda")
         t0 = time.perf_counter()
         try:
             for chunk in request_iterator:
                 receiver.on_chunk(chunk)
             kv = receiver.finish()
-        except KVTransferError as exc:
+        except (KVTransferError, grpc.RpcError) as exc:
+            if not context.is_active() or any(push.was_cut for push in pushes):  # sender gone, or cut off here
+                raise ServiceError(grpc.StatusCode.CANCELLED,
+                                   f"KV push of {receiver.request_id} ended before it landed: its sender went "
+                                   f"away, or its lease ended or its attempt was dropped") from None
+            if isinstance(exc, grpc.RpcError):
+                raise
             metrics.KV_FAILURES.labels(wid, exc.code).inc()
             raise ServiceError(_KV_ERROR_CODES.get(exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc)) from exc
+        finally:
+            for push in pushes:
+                w.pushes.done(push)
         rid = receiver.request_id
         header = receiver.header
         key = seq_key(rid, header.attempt)
@@ -317,9 +350,10 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
                                f"KV of {rid} refused by decode worker {wid}: {refused}")
         return internal_pb2.PushKVReply(request_id=rid, num_tokens=receiver.num_tokens, kv_bytes=kv_bytes)
 
-    def _admit(self, header: internal_pb2.KVHeader) -> None:
+    def _admit(self, header: internal_pb2.KVHeader) -> int:
+        """The push's lease (its blocks), checked before its buffer is allocated."""
         prefix_tokens = len(header.prefix_hashes) * self.w.engine.pool.block_size
-        self.w.check_lease(header.request_id, prefix_tokens + header.num_tokens)
+        return self.w.check_lease(header.request_id, prefix_tokens + header.num_tokens)
 
     def CachedPrefix(self, request: internal_pb2.CachedPrefixRequest, context) -> internal_pb2.CachedPrefixReply:
         if len(request.block_hashes) > MAX_PREFIX_BLOCKS:

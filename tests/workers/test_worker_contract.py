@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from common.redis_server import EmbeddedRedis, connect
 from common.state import StateStore
 from common.pb_convert import sampling_to_pb
 from common.engine.sampling import SamplingParams
+from common.kv_wire import encode_kv
 from decode_svc.worker import DecodeWorker
 from protos import internal_pb2, internal_pb2_grpc
 from router.cluster import Cluster
@@ -283,6 +285,74 @@ def test_pushes_and_health_have_room_while_decode_streams_fill_the_pool(cluster)
     deadline = time.monotonic() + 10
     while d.engine.pool.num_free_blocks != d.engine.pool.num_blocks or d.num_inflight:
         assert time.monotonic() < deadline, "blocks or streams left after the cancels"
+        time.sleep(0.05)
+
+
+def _stalled_push(d: DecodeWorker, rid: str, attempt: int, num_tokens: int):
+    """A push that sends its header (the decode worker allocates the whole buffer then) and nothing more, as a
+    sender that hangs or misbehaves: its call (a future) and the event that lets the sender go."""
+    fp = d.fingerprint()
+    kv = torch.zeros(fp.num_layers, 2, num_tokens, fp.num_kv_heads, fp.head_dim, dtype=fp.torch_dtype)
+    header = next(encode_kv(kv, request_id=rid, target_worker_id=d.config.worker_id, target_epoch=d.epoch,
+                            fingerprint=fp, attempt=attempt))
+    gone = threading.Event()
+
+    def messages():
+        yield header
+        gone.wait(120)
+
+    ch = grpc.insecure_channel(d.kv_address)
+    return internal_pb2_grpc.KVTransferStub(ch).PushKV.future(messages(), timeout=120), gone, ch
+
+
+def _ended(call, timeout_s: float) -> grpc.RpcError | None:
+    """The failure the call ended with within timeout_s; None if it is still open."""
+    try:
+        call.result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        return None
+    except grpc.RpcError as exc:
+        return exc
+    raise AssertionError("a push of a header alone succeeded")
+
+
+def test_pushes_in_flight_are_bounded_by_their_lease_and_cut_off_when_it_ends(cluster):
+    """A push's buffer is allocated when its header arrives. The pushes of one request together may hold
+    what its lease covers, no more: a second whole-lease push for it is refused at its header (a
+    misbehaving prefill worker pinned one buffer per push). A push whose lease ends, or whose attempt the
+    router drops, is cut off and its buffer freed, instead of being held until the push's deadline."""
+    d = cluster.decode[0]
+    tokens = 4 * d.config.block_size
+    opened = []
+    try:
+        rid = f"pinned-{time.monotonic_ns()}"
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, 4, ttl_s=60).ok
+        pushes = [_stalled_push(d, rid, attempt, tokens) for attempt in (1, 2)]
+        opened += pushes
+        refused = [exc for exc in (_ended(call, 10) for call, _, _ in pushes) if exc is not None]
+        assert [exc.code() for exc in refused] == [grpc.StatusCode.RESOURCE_EXHAUSTED], \
+            f"two whole-lease pushes of one request were both taken: {refused}"
+        assert "lease" in refused[0].details()
+        held = next(call for call, _, _ in pushes if not call.done())
+        cluster.state.release(d.config.worker_id, rid)  # the lease ends: the stalled push goes
+        cut = _ended(held, 30)
+        assert cut is not None, "a push outlived its lease, holding its buffer"
+
+        dropped = f"dropped-{time.monotonic_ns()}"
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, dropped, 4, ttl_s=60).ok
+        opened.append(_stalled_push(d, dropped, 1, tokens))
+        call = opened[-1][0]
+        assert _ended(call, 1) is None
+        d.inbox.cancel(f"{dropped}#1")  # what the router's SessionCancel does for an attempt it gave up
+        assert _ended(call, 10) is not None, "a push of a dropped attempt went on holding its buffer"
+        cluster.state.release(d.config.worker_id, dropped)
+    finally:
+        for _, gone, ch in opened:
+            gone.set()
+            ch.close()
+    deadline = time.monotonic() + 10
+    while d.pushes.num_bytes:
+        assert time.monotonic() < deadline, f"{d.pushes.num_bytes} bytes of pushes still counted"
         time.sleep(0.05)
 
 
