@@ -115,9 +115,22 @@ def parsed(request):
     return request
 
 
-def _parsed_stream(requests):
-    for request in requests:
-        yield parsed(request)
+class _ParsedStream:
+    """A request stream whose messages are parsed as they are read: one that does not parse raises
+    INVALID_ARGUMENT (ServiceError) from next(), and the stream can still be read on past it (a
+    decode session skips such a message rather than end every request it carries)."""
+
+    def __init__(self, requests):
+        self._requests = iter(requests)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return parsed(next(self._requests))
+
+
+_parsed_stream = _ParsedStream
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):

@@ -5,6 +5,11 @@ costs one stream per router: the reader thread starts and cancels requests as th
 engine's sinks drop each sequence's events into one queue, and the writer (the RPC's own thread)
 sends what gathered there once the engine ends a step. KV waits hold no thread either
 (KVInbox.take_async).
+
+The reader never waits on Redis: a start's checks (its lease is a Redis round trip) run on the worker's
+small start pool, so while Redis stalls the cancels behind it still land at once (a cancelled request
+stops decoding and frees its KV). A message that does not parse, or a start that fails, fails that
+request alone; the session goes on.
 """
 from __future__ import annotations
 
@@ -79,6 +84,10 @@ class DecodeSession:
         self._lock = threading.Lock()
         self._live: dict[str, tuple[PendingEvent, int, contextlib.ExitStack]] = {}  # key -> (pending, attempt, guard)
         self._closed = False  # set by _close(), under _lock: a start that comes later is not taken
+        # Keys whose start's checks are running on the start pool, and keys the router cancelled while starting
+        # or before their sequence reached the engine (the engine takes a cancel only for what it holds).
+        self._starting: set[str] = set()
+        self._cancelled: set[str] = set()
 
     def run(self, requests):
         """The RPC: read requests on a thread of their own, write events here until the stream ends."""
@@ -91,39 +100,80 @@ class DecodeSession:
             self.w.engine.step_listeners.remove(self._flush)
             self._close()
 
-    # ---- requests in (the reader thread)
+    # ---- requests in (the reader thread; the checks of a start on the start pool)
 
     def _read(self, requests) -> None:
+        requests = iter(requests)
+        while True:
+            try:
+                req = next(requests)
+            except StopIteration:
+                return
+            except grpc.RpcError:
+                return  # the router went away: _close() (the context's callback) cancels what it left
+            except ServiceError as exc:  # a message that did not parse: its request is unknown, the others go on
+                log.warning("decode session: a message was skipped: %s", exc.message)
+                continue
+            except Exception:  # noqa: BLE001 - the stream itself broke: end it, not leave it hanging
+                log.exception("decode session reader failed")
+                self.context.cancel()
+                return
+            if req.HasField("start"):
+                self._submit_start(req.start)
+            elif req.HasField("cancel"):
+                self._cancel(seq_key(req.cancel.request_id, req.cancel.attempt))
+
+    def _submit_start(self, request: internal_pb2.DecodeRequest) -> None:
+        key = seq_key(request.request_id, request.attempt)
+        with self._lock:
+            self._starting.add(key)
         try:
-            for req in requests:
-                if req.HasField("start"):
-                    self._start(req.start)
-                elif req.HasField("cancel"):
-                    self._cancel(seq_key(req.cancel.request_id, req.cancel.attempt))
-        except grpc.RpcError:
-            pass  # the router went away: _close() (the context's callback) cancels what it left
-        except Exception:  # noqa: BLE001 - a bug here must end the stream, not leave it hanging
-            log.exception("decode session reader failed")
-            self.context.cancel()
+            self.w.start_pool.submit(self._start, request)
+        except RuntimeError:  # the pool is shut down: the worker is stopping
+            with self._lock:
+                self._starting.discard(key)
+            self._fail_now(request.request_id, request.attempt, ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"decode worker {self.w.config.worker_id} is shutting down; "
+                                             f"retry on another worker"))
 
     def _start(self, request: internal_pb2.DecodeRequest) -> None:
-        w = self.w
+        """On the start pool: a start's checks, then the request joins the session (unless it closed, or the
+        request was cancelled, meanwhile)."""
         key = seq_key(request.request_id, request.attempt)
+        try:
+            self._start_checked(request, key)
+        except Exception as exc:  # noqa: BLE001 - a bug fails this request, not the session
+            log.exception("decode session: the start of %s failed", key)
+            with self._lock:
+                self._starting.discard(key)
+                self._cancelled.discard(key)
+            self._fail_now(request.request_id, request.attempt,
+                           ServiceError(grpc.StatusCode.INTERNAL, f"the start of {key} failed: {type(exc).__name__}"))
+
+    def _start_checked(self, request: internal_pb2.DecodeRequest, key: str) -> None:
+        w = self.w
         guard = contextlib.ExitStack()
         try:
             guard.enter_context(w.serving("Decode", key))
             job = w.check_decode(request)
         except (ServiceError, ValueError) as exc:
             guard.close()
+            with self._lock:
+                self._starting.discard(key)
+                self._cancelled.discard(key)
             self._fail_now(request.request_id, request.attempt, exc)
             return
         with self._lock:
             # The lease check above is a Redis round trip: the stream may have closed meanwhile, and nobody
-            # would ever end a request that joined after that (invariant 2: every KV block freed).
-            closed = self._closed
-            if not closed:
+            # would ever end a request that joined after that (invariant 2: every KV block freed); or the
+            # router may have cancelled it.
+            self._starting.discard(key)
+            dropped = self._closed or key in self._cancelled
+            if dropped:
+                self._cancelled.discard(key)
+            else:
                 self._live[key] = (PendingEvent(job.request_id), request.attempt, guard)
-        if closed:
+        if dropped:
             w.inbox.cancel(key)
             guard.close()
             return
@@ -131,7 +181,9 @@ class DecodeSession:
 
         def submit(parked: bool) -> None:
             w.engine.submit(key, job.prompt, job.params, sink, seed=job.seed, output_ids=job.output, parked=parked)
-            if key not in self._live:  # the stream closed meanwhile: nobody would read its tokens
+            with self._lock:  # the stream closed, or the router cancelled it, meanwhile: nobody reads its tokens
+                gone = key not in self._live or key in self._cancelled
+            if gone:
                 w.engine.cancel(key)
 
         if job.prefill_here:
@@ -156,7 +208,11 @@ class DecodeSession:
         # Also for a request never started here: a push of its KV that came already is dropped, one
         # still to come is refused (the router cancels attempts that ended before their decode began).
         self.w.inbox.cancel(key)
-        if key in self._live:
+        with self._lock:
+            live = key in self._live
+            if live or key in self._starting:  # a start still checking is dropped when its checks end
+                self._cancelled.add(key)
+        if live:
             self.w.engine.cancel(key)
 
     def _fail_now(self, request_id: str, attempt: int, exc: Exception) -> None:
@@ -173,6 +229,7 @@ class DecodeSession:
         with self._lock:
             self._closed = True
             live, self._live = self._live, {}
+            self._cancelled.clear()
         for key, (_, _, guard) in live.items():
             self.w.inbox.cancel(key)
             self.w.engine.cancel(key)
@@ -239,5 +296,6 @@ class DecodeSession:
     def _end(self, key: str) -> None:
         with self._lock:
             entry = self._live.pop(key, None)
+            self._cancelled.discard(key)
         if entry is not None:
             entry[2].close()

@@ -74,6 +74,8 @@ class DecodeWorker(WorkerBase):
                              on_cancel=self.pushes.cut)
         self.kv_port = 0
         self.kv_server = None
+        # Decode sessions' starts: their checks wait on Redis, never on a session's reader (router_session.py).
+        self.start_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="session-start")
 
     def _num_blocks(self) -> int:
         c = self.model.config
@@ -118,6 +120,7 @@ class DecodeWorker(WorkerBase):
     def _stop_extra(self) -> None:
         if self.kv_server is not None:
             self.kv_server.stop(grace=1.0).wait()
+        self.start_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def kv_address(self) -> str:

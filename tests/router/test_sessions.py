@@ -199,6 +199,87 @@ def test_a_start_that_lands_after_the_session_closed_is_not_decoded_for_nobody(c
     wait_idle(cluster)
 
 
+def _events_until(stream, done) -> dict[str, list]:
+    """Read the session's events, by request id, until done(seen) holds."""
+    seen: dict[str, list] = {}
+    for msg in stream:
+        for ev in msg.events:
+            seen.setdefault(ev.request_id, []).append(ev)
+        if done(seen):
+            return seen
+    raise AssertionError(f"the session ended first: {seen}")
+
+
+def test_a_cancel_is_not_held_up_behind_a_start_waiting_for_redis(cluster):
+    """A start checks its lease in Redis; while Redis stalls, that check waits (up to the socket timeout).
+    It used to wait on the session's one reader thread, and every cancel on the session waited behind it,
+    so a request the router had cancelled went on decoding and holding its KV. Redis is paused (SIGSTOP)
+    for less than the socket timeout: the cancel lands while it is still paused."""
+    d = cluster.decode[0]
+    ids = d.tokenizer.encode("The history of the printing press")
+    running, waiting = f"running-{time.monotonic_ns()}", f"waiting-{time.monotonic_ns()}"
+    for rid in (running, waiting):
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, 32, 30).ok
+    _, ch, requests, stream = _session(cluster)
+    try:
+        requests.put(_start(d, running, ids, max_tokens=400, prefill_here=True))
+        _events_until(stream, lambda seen: running in seen)
+        assert d.engine.num_active == 1
+        os.kill(cluster.redis.pid, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        try:
+            requests.put(_start(d, waiting, ids, max_tokens=5, prefill_here=True))
+            while d.num_inflight < 2 and time.monotonic() - t_stop < 0.5:
+                time.sleep(0.001)  # the second start took its guard and waits for Redis
+            requests.put(internal_pb2.SessionRequest(cancel=internal_pb2.SessionCancel(request_id=running, attempt=1)))
+            while d.engine.num_active and time.monotonic() - t_stop < 1.5:
+                time.sleep(0.005)
+            cancelled_s = time.monotonic() - t_stop
+            still_active = d.engine.num_active
+        finally:
+            os.kill(cluster.redis.pid, signal.SIGCONT)
+        assert not still_active, f"the cancel waited behind a start's Redis call ({cancelled_s:.2f} s and counting)"
+        seen = _events_until(stream, lambda seen: waiting in seen and (
+            seen[waiting][-1].status_code or seen[waiting][-1].event.HasField("finish_reason")))
+        assert not seen[waiting][-1].status_code, seen[waiting][-1]  # the start goes on once Redis answers
+    finally:
+        requests.put(None)
+        ch.close()
+        for rid in (running, waiting):
+            cluster.state.release(d.config.worker_id, rid)
+    wait_idle(cluster)
+
+
+def test_a_message_that_does_not_parse_fails_no_other_request(cluster):
+    """One undecodable message (a start whose request_id is not UTF-8) used to end the whole session, failing
+    every request on it. It is skipped: the session and its requests go on."""
+    d = cluster.decode[0]
+    ids = d.tokenizer.encode("Once upon a time")
+    before, after = f"before-{time.monotonic_ns()}", f"after-{time.monotonic_ns()}"
+    for rid in (before, after):
+        assert cluster.state.reserve(d.config.worker_id, d.epoch, rid, 16, 30).ok
+    ch = grpc.insecure_channel(d.address)
+    raw: queue.SimpleQueue = queue.SimpleQueue()
+    session = ch.stream_stream("/handoff.v1.DecodeWorker/DecodeSession", request_serializer=lambda b: b,
+                               response_deserializer=internal_pb2.SessionEvents.FromString)
+    stream = session(iter(raw.get, None), timeout=120)
+    try:
+        raw.put(_start(d, before, ids, max_tokens=40, prefill_here=True).SerializeToString())
+        _events_until(stream, lambda seen: before in seen)
+        raw.put(b"\x0a\x03\x0a\x01\xff")  # SessionRequest{start: DecodeRequest{request_id: b"\xff"}}
+        raw.put(_start(d, after, ids, max_tokens=5, prefill_here=True).SerializeToString())
+        done = lambda ev: ev.status_code or ev.event.HasField("finish_reason")  # noqa: E731
+        seen = _events_until(stream, lambda seen: all(r in seen and done(seen[r][-1]) for r in (before, after)))
+        for rid in (before, after):
+            assert not seen[rid][-1].status_code, seen[rid][-1]
+    finally:
+        raw.put(None)
+        ch.close()
+        for rid in (before, after):
+            cluster.state.release(d.config.worker_id, rid)
+    wait_idle(cluster)
+
+
 # --------------------------------------------------------------------------- a request's read of its events
 
 
