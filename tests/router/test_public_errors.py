@@ -25,10 +25,20 @@ from router.server import RouterServer
 SECRET = "secret-worker"  # every fake worker's id starts with it
 
 
-def _dead_address() -> str:
-    with socket.socket() as s:
+@pytest.fixture
+def dead_ports():
+    """Ports bound and not listening: connecting is refused, and no other process (other tests on the
+    machine) can listen there while the test runs."""
+    held: list[socket.socket] = []
+
+    def address() -> str:
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once the socket closes
+        held.append(s)
+        return f"127.0.0.1:{s.getsockname()[1]}"
+    yield address
+    for s in held:
+        s.close()
 
 
 @pytest.fixture
@@ -47,12 +57,12 @@ def router(redis):
     server.stop(grace_s=1)
 
 
-def _register_dead_workers(router: RouterServer) -> list[str]:
+def _register_dead_workers(router: RouterServer, dead_address) -> list[str]:
     """Three decode and three prefill workers of the router's model, at addresses nothing listens on."""
     addresses = []
     for role in ("decode", "prefill"):
         for i in range(3):
-            address = _dead_address()
+            address = dead_address()
             addresses.append(address)
             router.state.heartbeat(WorkerInfo(
                 worker_id=f"{SECRET}-{role}-{i}", role=role, address=address,
@@ -86,8 +96,8 @@ def _assert_discloses_nothing(message: str, secrets: list[str]) -> None:
         assert secret not in message, f"{secret!r} reached the client: {message}"
 
 
-def test_every_attempt_failed_names_no_worker_and_no_address(router):
-    addresses = _register_dead_workers(router)
+def test_every_attempt_failed_names_no_worker_and_no_address(router, dead_ports):
+    addresses = _register_dead_workers(router, dead_ports)
     secrets = [SECRET, "127.0.0.1", *(a.rsplit(":", 1)[1] for a in addresses)]
     rid = f"dead-{time.monotonic_ns()}"
     err = _generate(router, rid)
