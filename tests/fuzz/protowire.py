@@ -334,6 +334,9 @@ def generate_requests(draw) -> Spec:
     return Spec(parts, garbage)
 
 
+POOL_TOO_SMALL = "needs more KV than the whole pool"  # refused after its record was made: its id is used
+
+
 @dataclass
 class Verdict:
     """What the contract allows for one input."""
@@ -450,13 +453,16 @@ def generate_verdict(raw: bytes, cluster, used_rids: set[str]) -> Verdict:
     if max_tokens > room:
         return Verdict({"INVALID_ARGUMENT"}, ("max_tokens", *loose), "max_tokens past the context", r)
     pool = cluster.decode[0].engine.pool
-    codes = {"RESOURCE_EXHAUSTED"} if pool.blocks_for(prompt_len + max_tokens) > pool.num_blocks else {"OK"}
+    # More KV than the whole pool can never be served: a bad max_tokens (400), not a full cluster.
+    too_big = pool.blocks_for(prompt_len + max_tokens) > pool.num_blocks
+    codes = {"INVALID_ARGUMENT"} if too_big else {"OK"}
+    hints = ("max_tokens", *loose) if too_big else tuple(loose)
     if r.request_id and r.request_id in used_rids:
         codes = {"ALREADY_EXISTS"}
     if loose:
         codes.add("INVALID_ARGUMENT")
-    return Verdict(codes, tuple(loose), "valid" if not loose else f"valid by the letter of {loose}", r,
-                   prompt_len, max_tokens)
+    why = POOL_TOO_SMALL if too_big else "valid" if not loose else f"valid by the letter of {loose}"
+    return Verdict(codes, hints, why, r, prompt_len, max_tokens)
 
 
 @dataclass

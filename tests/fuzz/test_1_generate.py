@@ -10,6 +10,7 @@ from tests.fuzz.protowire import (
     CALL_TIMEOUT_S,
     FUZZ,
     INPUTS,
+    POOL_TOO_SMALL,
     ROUTER_CODES,
     call_stream,
     ctx_for,
@@ -35,7 +36,8 @@ def test_fuzz_generate(cluster, channels, baseline, spec):
                       raw, CALL_TIMEOUT_S)
     judge(out, verdict, ROUTER_CODES, raw, rpc="generate")
     r = verdict.request
-    if r is not None and r.request_id and out.code in ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+    if r is not None and r.request_id and (out.code in ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE") or
+                                           verdict.why == POOL_TOO_SMALL):
         GENERATE_USED_RIDS.add(r.request_id)
         ACCEPTED_RIDS.append(r.request_id)
     if out.code != "OK":

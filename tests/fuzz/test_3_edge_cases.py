@@ -295,7 +295,9 @@ def test_concurrent_duplicate_ids(cluster, channels, baseline):
         release(cluster, rid)
 
     # Prefill: the second arrives while the first is still in the engine (a prompt of 400 tokens), and
-    # a third, for another attempt, runs beside them (both KVs fit the pool at once).
+    # a third, for another attempt, runs beside them (both KVs fit the pool at once). Their pushes are in
+    # flight together, and a request's pushes may hold no more than its lease covers (decode_svc/pushes.py):
+    # the lease covers both.
     rid, prompt_ids = unique_id("dup-p"), list(range(10, 410))
 
     def prefill_raw(attempt: int) -> bytes:
@@ -304,7 +306,7 @@ def test_concurrent_duplicate_ids(cluster, channels, baseline):
         return internal_pb2.PrefillRequest(request_id=rid, prompt_ids=prompt_ids, sampling=greedy_sampling(30),
                                            target=target).SerializeToString()
 
-    reserve(cluster, rid, len(prompt_ids) + 2)
+    reserve(cluster, rid, 2 * len(prompt_ids) + 2)
     try:
         t1, out1 = start(pre, prefill_raw(1))
         time.sleep(0.1)
