@@ -29,7 +29,8 @@ import redis
 
 
 # Every process reaps dead routers with each heartbeat (0.5 s): a longer gap since anyone did means Redis
-# was out of reach for everyone, and the routers' registrations do not run down for that time.
+# was out of reach for everyone, and the routers' registrations do not run down for what of the gap is more
+# than this (a router's registration TTL, 3 s, is longer than it).
 REAP_MAX_GAP_S = 1.0
 
 

@@ -406,6 +406,26 @@ def test_a_dead_routers_requests_are_ended_and_their_leases_released(store):
     assert store.reap_routers() == {}  # reaped once
 
 
+def test_time_nobody_reached_redis_is_not_counted_against_a_router(store):
+    """No reap by anyone for longer than REAP_MAX_GAP_S: Redis was out of reach for everyone, so no router
+    could heartbeat either. The first reap after it pushes the registrations back by the gap instead of
+    reaping them (by what of it is more than the gap); while reaps keep coming, an expired router is
+    reaped as before."""
+    from common.state import REAP_MAX_GAP_S
+    ttl_s = REAP_MAX_GAP_S + SHORT_TTL_S  # a router's TTL is longer than the gap (3 s against 1 s)
+    store.router_heartbeat("router-e", ttl_s=ttl_s)
+    assert store.create_request("e1", prompt_tokens=1, max_tokens=1, router_id="router-e")
+    assert store.reap_routers() == {}
+    time.sleep(ttl_s + SHORT_TTL_S)  # an outage longer than its TTL: nobody reaps, router-e cannot beat
+    assert store.reap_routers() == {}, "a router was reaped for an outage of Redis"
+    assert store.get_request("e1")["state"] == RequestState.QUEUED
+    deadline = time.monotonic() + 10
+    while (reaped := store.reap_routers()) == {}:  # reaps keep coming; router-e never beats again
+        assert time.monotonic() < deadline, "a router that stopped beating while Redis answered was never reaped"
+        time.sleep(0.1)
+    assert reaped == {"router-e": 1}
+
+
 def test_a_router_that_stops_cleanly_is_not_reaped(store):
     store.router_heartbeat("router-c", ttl_s=SHORT_TTL_S)
     assert store.create_request("c1", prompt_tokens=1, max_tokens=1, router_id="router-c")
