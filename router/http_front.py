@@ -338,11 +338,13 @@ class OpenAIApp:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
                            headers={"Connection": "close"}) from None
+        raw = b"".join(chunks)
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise openai_schema.bad_param(None, f"the request body is not valid JSON: {exc}") from None
-        _check_text(body)
+        if _SURROGATE_ESCAPE.search(raw):  # UTF-8 cannot hold a surrogate: only an escape makes one
+            _check_text(body)
         return body
 
     def _error(self, request: Request, exc: APIError) -> Response:
@@ -398,6 +400,7 @@ def _port_full(total: int) -> APIError:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _check_text(body) -> None:
