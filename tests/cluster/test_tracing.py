@@ -10,6 +10,7 @@ import json
 import logging
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -19,11 +20,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from common import tracing
+from common import grpc_common, tracing
 from common.grpc_common import ServiceError
 from decode_svc.inbox import seq_key
 from protos import handoff_pb2, handoff_pb2_grpc
 from router.cluster import Cluster
+from router.server import RouterServer
 from tests.support.cluster import wait_idle
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -195,6 +197,36 @@ def test_a_failover_is_an_attempt_span_with_its_cause(cluster, stub, exporter, c
     for w in cluster.decode:
         w.inbox.cancel(seq_key("traced-failover", 1))
     wait_idle(cluster)
+
+
+def test_a_colocated_request_is_one_decode_span_that_prefilled(cluster, exporter):
+    """Prefilled on the decode worker: no prefill worker, no push, no claim; the decode span says so."""
+    router = RouterServer(replace(cluster.router_config, prefill_mode="colocated", port=0, http_port=-1),
+                          cluster.state).start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+            generate(handoff_pb2_grpc.RouterStub(ch), [("traceparent", CALLER.replace(CALLER_TRACE, "2" * 32))],
+                     prompt="Hello there", max_tokens=3, temperature=0.0, ignore_eos=True)
+    finally:
+        router.stop(grace_s=2)
+    found = spans_of(exporter, "2" * 32, {"generate", "attempt", "reserve", "decode"})
+    assert not {"prefill", "kv.push", "kv.receive", "claim"} & set(found), set(found)
+    attempt, decode = found["attempt"][0], found["decode"][0]
+    assert attempt.attributes["handoff.prefill_placement"] == "local"
+    assert decode.attributes["handoff.prefill_here"] is True and decode.attributes["handoff.completion_tokens"] == 3
+    assert parent_of(decode) == hex_id(attempt.context.span_id)
+    wait_idle(cluster)
+
+
+def test_a_failed_call_logs_its_trace(exporter, caplog):
+    """A worker's failed call (the error interceptor's log line) names the trace of the span it failed."""
+    span = tracing.start("prefill", tracing.extract([("traceparent", CALLER)]))
+    with pytest.raises(ServiceError) as info, tracing.ending(span):
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the decode worker is gone")
+    with caplog.at_level(logging.INFO, logger="common.grpc_common"):
+        grpc_common.reported("/handoff.v1.PrefillWorker/Prefill", info.value)
+    assert caplog.records[-1].getMessage() == ("/handoff.v1.PrefillWorker/Prefill: UNAVAILABLE: the decode worker "
+                                               f"is gone (trace {CALLER_TRACE})")
 
 
 def test_an_error_names_its_trace(cluster, stub):
