@@ -200,6 +200,26 @@ ENGINE_ENVIRONMENT = (
      "pages where the kernel offers them)"),
 )
 
+# OpenTelemetry's standard variables that turn tracing on and shape it, read by common/tracing.py and the
+# OpenTelemetry SDK (docs/operations.md, "Tracing"). Not HANDOFF_ settings: the names and meanings are the
+# specification's, so a collector's usual configuration applies.
+TRACING_ENVIRONMENT = (
+    ("OTEL_TRACES_EXPORTER", "`otlp` (and/or `console`) turns tracing on, `none` off; unset = on only when an "
+     "OTLP endpoint is set (the specification's default is otlp: handoff's is off)"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "the collector's OTLP/gRPC address (`http://host:4317`; http = plaintext); "
+     "setting it alone turns tracing on. `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` wins over it"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "`grpc` only (the default); another value stops the service at start. "
+     "Also `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`"),
+    ("OTEL_SERVICE_NAME", "the service name spans carry; unset = handoff-router, handoff-prefill, handoff-decode "
+     "or handoff-cluster"),
+    ("OTEL_SDK_DISABLED", "`true` = tracing off whatever else is set"),
+    ("OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG), OTEL_BSP_*, OTEL_EXPORTER_OTLP_(TRACES_)HEADERS / "
+     "_CERTIFICATE / _CLIENT_KEY / _CLIENT_CERTIFICATE / _COMPRESSION / _TIMEOUT / _INSECURE",
+     "as the OpenTelemetry SDK reads them: resource attributes, sampling (default parentbased_always_on: a "
+     "caller's unsampled trace stays unsampled), the batch exporter's queue and delay, the exporter's "
+     "headers, TLS, compression and timeout"),
+)
+
 BY_NAME = {s.name: s for s in SETTINGS}
 
 
@@ -279,6 +299,10 @@ def reference() -> str:
               "decode, cluster): for diagnosis and images, not tuning:", "",
               "| environment | what it does |", "| --- | --- |"]
     lines += [f"| `{name}` | {what} |" for name, what in ENGINE_ENVIRONMENT]
+    lines += ["", "Tracing, OpenTelemetry's standard variables, read by every service (docs/operations.md, "
+              "\"Tracing\"); with none of them set no service traces:", "",
+              "| environment | what it does |", "| --- | --- |"]
+    lines += [f"| `{name}` | {what} |" for name, what in TRACING_ENVIRONMENT]
     lines += ["", "`python -m router.cluster` also takes `--prefill` and `--decode` (how many workers of each "
               "pool) and the request flags of `python -m router.client` (`--prompt`, `--message`, sampling) "
               "to answer one request and exit.", ""]

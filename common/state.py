@@ -9,7 +9,7 @@ Keys, under the prefix:
     worker:<id>             HASH of WorkerInfo fields, expiring with the registration
     leases:<id>             ZSET request_id -> lease expiry (ms)
     lease_blocks:<id>       HASH request_id -> "<num_blocks>:<worker epoch>"
-    request:<id>            HASH state, history, t_<state>, counts, workers, router, error
+    request:<id>            HASH state, history, t_<state>, counts, workers, router, error, trace_id (traced)
     prefixes:<id>           SET hex prefix hashes of the prompt chunks the worker's cache holds (expires
                             with the registration)
     routers                 ZSET router_id -> registration expiry (ms)

@@ -16,7 +16,7 @@ import sys
 import threading
 from dataclasses import replace
 
-from common import cli, settings
+from common import cli, settings, tracing
 from common.engine.model import Llama
 from common.engine.model_files import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
@@ -164,6 +164,10 @@ def main(argv=None) -> None:
     from router import client
 
     args, router, worker = parse_args(argv)
+    try:
+        tracing.configure("handoff-cluster")
+    except tracing.TracingConfigError as exc:
+        raise SystemExit(f"router.cluster: {exc}") from None
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, device=args.device,
                       kv_memory_gib=args.kv_memory_gib, threads=args.threads, router=router, worker=worker,
@@ -193,6 +197,7 @@ def main(argv=None) -> None:
             stop.wait()
     finally:
         cluster.stop()
+        tracing.close()
 
 
 if __name__ == "__main__":
