@@ -442,10 +442,13 @@ class Engine:
         if mask_rows:
             bitmask = torch.empty(len(mask_rows), bitmask_words(self.grammars.vocab_size), dtype=torch.int32)
             fill_bitmask([batch[i].matcher for i in mask_rows], bitmask)
+            # A matcher in its error state allows only EOS, which would end the request as if its constraint
+            # were met: that is a dead end too, as is a mask that allows nothing.
             empty = (bitmask == 0).all(dim=1)
-            if empty.any():
-                dead = [mask_rows[j] for j in empty.nonzero().flatten().tolist()]
-                bitmask[empty] = -1  # sampled as if free, then dropped: no row of -inf reaches the sampler
+            dead_rows = [j for j, i in enumerate(mask_rows) if empty[j] or batch[i].matcher.is_error()]
+            if dead_rows:
+                dead = [mask_rows[j] for j in dead_rows]
+                bitmask[dead_rows] = -1  # sampled as if free, then dropped: no row of -inf reaches the sampler
         tokens = self.sampler(logits, [s.params for s in batch], [s.seed for s in batch],
                               [len(s.output_ids) for s in batch], [s.prompt_ids for s in batch],
                               [s.output_ids for s in batch], mask_rows, bitmask).tolist()

@@ -132,10 +132,10 @@ class GrammarCompiler:
         constraint.validate()
         grammar = constraint.grammar()
         lltok = self.lltokenizer
-        error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
+        error = llguidance.LLMatcher.validate_grammar(grammar, lltok, limits=_limits())
         if error:
             raise ValueError(f"the {constraint.kind} constraint does not compile: {error.strip()}")
-        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
             raise ValueError(f"the {constraint.kind} constraint does not compile: {matcher.get_error()}")
         with self._lock:
@@ -143,6 +143,12 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return matcher
+
+
+def _limits() -> llguidance.LLParserLimits:
+    # llguidance's defaults, but errors without the parser's state and the whole grammar: they reach the
+    # client and the logs.
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 class _Vocab:
