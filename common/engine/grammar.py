@@ -180,10 +180,21 @@ def fill_bitmask(matchers: list[llguidance.LLMatcher], bitmask: torch.Tensor) ->
         m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# Byte b of a bitmask -> its 8 bits, least significant first: a little-endian int32 word's byte k holds the bits
+# of tokens 32w + 8k ... 32w + 8k + 7, so a row's bytes in order are its tokens in order.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).to(torch.uint8)  # [256, 8]
+_BYTE_BIAS = torch.where(_BYTE_BITS.bool(), 0.0, -torch.inf)  # [256, 8] fp32
 
 
 def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 bitmask -> [R, vocab_size] bool."""
-    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1  # [R, W, 32]
+    """[R, W] int32 bitmask -> [R, min(vocab_size, 32 W)] bool."""
+    bits = torch.nn.functional.embedding(bitmask.contiguous().view(torch.uint8).int(), _BYTE_BITS.to(bitmask.device))
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 bitmask -> [R, min(vocab_size, 32 W)] fp32: 0 where allowed, -inf elsewhere. One table lookup
+    per byte and no bool tensor: adding it to the logits is ~6x cheaper than a where() over the bits (32 rows of
+    49,152: 0.9 against 6.4 ms on a loaded 2-core VM)."""
+    bias = torch.nn.functional.embedding(bitmask.contiguous().view(torch.uint8).int(), _BYTE_BIAS.to(bitmask.device))
+    return bias.view(bitmask.shape[0], -1)[:, :vocab_size]

@@ -11,7 +11,7 @@ from itertools import chain
 
 import torch
 
-from common.engine.grammar import Constraint, allowed_from_bitmask
+from common.engine.grammar import Constraint, bitmask_bias
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256  # characters per stop string
@@ -352,14 +352,15 @@ def token_logprobs(log_probs: torch.Tensor, token_ids: Sequence[int], ks: Sequen
 
 
 def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits [B, V] with -inf where bitmask [len(rows), W] clears the token of row rows[i]."""
-    vocab_size = logits.shape[1]
-    allowed = allowed_from_bitmask(bitmask.to(logits.device), vocab_size)  # [R, <= V]
-    if allowed.shape[1] < vocab_size:  # the model's vocabulary is padded past the tokenizer's: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
-    idx = torch.tensor(list(rows), device=logits.device)
-    masked = logits.index_select(0, idx).masked_fill_(~allowed, -math.inf)
-    return logits.index_copy(0, idx, masked)
+    """A copy of logits [B, V] with -inf where bitmask [len(rows), W] clears the token of row rows[i]: the bias
+    (0 or -inf) is added, so an allowed logit keeps its value and the other rows keep their bits."""
+    rsz, vocab_size = logits.shape
+    bias = bitmask_bias(bitmask.to(logits.device), vocab_size)  # [R, <= V]
+    if bias.shape[1] < vocab_size:  # the model's vocabulary is padded past the tokenizer's: never allowed
+        bias = torch.nn.functional.pad(bias, (0, vocab_size - bias.shape[1]), value=-math.inf)
+    if list(rows) == list(range(rsz)):
+        return logits + bias
+    return logits.index_add(0, torch.tensor(list(rows), device=logits.device), bias)
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
