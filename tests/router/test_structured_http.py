@@ -216,3 +216,27 @@ def test_tool_call_parser_gives_the_same_whatever_the_chunks():
             [(c.name, c.arguments) for c in calls]
     assert parse_tool_calls('<tool_call>\n{"name": "f", "argu') == ('<tool_call>\n{"name": "f", "argu', [])
     assert parse_tool_calls("a < b <tool") == ("a < b <tool", [])
+
+
+def test_tools_reach_a_template_that_takes_them_and_a_system_message_otherwise():
+    from pathlib import Path
+
+    from common.engine.tokenizer import ChatTemplate
+    from router.tools import Tool, ToolCall, template_messages
+    tools = [Tool("get_weather", "weather", WEATHER["function"]["parameters"])]
+    history = [{"role": "user", "content": "Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [ToolCall("call_1", "get_weather", '{"city": "Paris"}')]},
+               {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
+    template = ChatTemplate("{% for t in tools %}<{{ t.function.name }}>{% endfor %}{% for m in messages %}"
+                            "[{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                            "{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}]{% endfor %}",
+                            {}, Path("inline"))
+    assert template.takes_tools
+    rendered = template.render(template_messages(history, tools, True), add_generation_prompt=False,
+                               tools=[t.as_openai() for t in tools])
+    assert rendered == "<get_weather>[user:Paris?][assistant:get_weather(Paris)][tool:21 C]"
+    generic = template_messages(history, tools, False)
+    assert [m["role"] for m in generic] == ["system", "user", "assistant", "user"]
+    assert "<tools>\n" + json.dumps(tools[0].as_openai()) in generic[0]["content"]
+    assert generic[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert generic[3]["content"] == "<tool_response>\n21 C\n</tool_response>"
