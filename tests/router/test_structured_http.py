@@ -79,6 +79,18 @@ def test_json_schema_on_chat_and_completions_greedy_and_seeded(cluster, client):
     wait_idle(cluster)
 
 
+def test_the_clients_parse_helper_gets_its_pydantic_model(client):
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    r = client.chat.completions.parse(model="smollm2", messages=ASK_PERSON, max_tokens=40, temperature=0,
+                                      response_format=Person)
+    assert r.choices[0].message.parsed == Person(name="Bob", age=42)
+
+
 def test_json_object_is_an_object(client):
     msgs = [{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}]
     r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0,
