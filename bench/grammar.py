@@ -136,7 +136,6 @@ class Steps:
     def __init__(self, tokenizer, bsz: int, num_steps: int):
         from common.engine.engine import Engine, EngineConfig
         from common.engine.runner import ModelRunner
-        from tests.support.engine import CHAT_QUESTION  # noqa: F401 - the prompt every bench measures with
 
         runner = ModelRunner.load("smollm2", num_blocks=1 + bsz * 40, progress=False)
         self.engine = Engine(runner, tokenizer, EngineConfig(max_running=64, detokenize=False))
