@@ -444,7 +444,7 @@ class Engine:
             fill_bitmask([batch[i].matcher for i in mask_rows], bitmask)
             # A matcher in its error state allows only EOS, which would end the request as if its constraint
             # were met: that is a dead end too, as is a mask that allows nothing.
-            empty = (bitmask == 0).all(dim=1)
+            empty = (bitmask == 0).all(dim=1).tolist()
             dead_rows = [j for j, i in enumerate(mask_rows) if empty[j] or batch[i].matcher.is_error()]
             if dead_rows:
                 dead = [mask_rows[j] for j in dead_rows]
