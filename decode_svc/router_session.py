@@ -45,15 +45,18 @@ class PendingEvent:
         self.logprobs: list = []
         self.finish: FinishReason | None = None
         self.error: str | None = None
+        self.invalid = False  # the request's own fault (TokenEvent.invalid)
         self._first = True
 
     def add(self, ev: TokenEvent) -> None:
         self.token_ids += ev.token_ids
         self.logprobs += ev.logprobs or ()
-        self.finish, self.error = ev.finish_reason, ev.error
+        self.finish, self.error, self.invalid = ev.finish_reason, ev.error, ev.invalid
 
     def failure(self) -> ServiceError | None:
         """The status the request ends with when the engine failed or stopped it."""
+        if self.finish == FinishReason.ERROR and self.invalid:  # any worker would fail it: not retried
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"decode of {self.request_id}: {self.error}")
         if self.finish == FinishReason.ERROR:
             return ServiceError(grpc.StatusCode.INTERNAL, f"decode of {self.request_id} failed: {self.error}")
         if self.finish == FinishReason.CANCELLED:

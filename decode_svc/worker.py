@@ -155,6 +155,8 @@ class DecodeWorker(WorkerBase):
                                f"epoch {self.epoch!r} (it restarted); reserve again")
         cfg = self.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
+        if params.constraint is not None:
+            self.engine.grammars.check(params.constraint)  # compiled here, off the engine thread (then cached)
         prompt = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
         # Colocated, a new request has no completion yet; otherwise prefill sampled its first token.
         output = [] if request.prefill_here and not request.output_ids else check_token_ids(

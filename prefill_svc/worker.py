@@ -79,6 +79,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
         rid = check_request_id(request.request_id)
         cfg = w.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
+        if params.constraint is not None:
+            w.engine.grammars.check(params.constraint)  # compiled here, off the engine thread (then cached)
         ids = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
         resumed = list(request.output_ids)
         if resumed:
@@ -104,6 +106,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
             if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
                 if not context.is_active():
                     return
+                if ev.invalid:  # the request's constraint, not this worker: any worker would fail it
+                    raise ValueError(f"prefill of {rid}: {ev.error}")
                 raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
                                    else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
             if resumed and ev.finish_reason is not None:

@@ -225,7 +225,12 @@ class OpenAIApp:
             try:
                 valid = await self.router.validate(pb)
             except ValueError as exc:
-                raise APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                message = str(exc)
+                if message.startswith("structured_output") and parsed.constraint_param:
+                    # Named as the body named it: response_format, structured_outputs or a guided_* extra.
+                    message = parsed.constraint_param + message[len("structured_output"):]
+                    raise openai_schema.bad_param(parsed.constraint_param, message) from None
+                raise APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, message) from None
             # A caller's traceparent header makes each choice's generation a part of its trace.
             gens = Generations(self.router, _choices(valid, n, seeded=pb.HasField("seed")), timeout_s, deadline,
                                self.slots, tracing.extract(request.headers))
