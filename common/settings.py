@@ -161,13 +161,18 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_body_bytes", 4 << 20, "the largest HTTP request body; more is 413", (ROUTER, CLUSTER), int),
     _s("drain_timeout_s", 25.0, "on SIGTERM, how long in-flight requests may take to finish", SERVICES, float),
     # Security: files only (a mounted Secret); secrets themselves come from the environment, never a flag.
-    _s("tls_cert", None, "this service's certificate chain (PEM): served on its ports and presented as client "
-       "certificate; none of the TLS files set = plaintext everywhere", SERVICES),
+    _s("tls_cert", None, "this service's certificate chain (PEM), of its role (URI SAN spiffe://handoff/<namespace>"
+       "/role/<role>, DNS <role>.<--tls-server-name>; python -m common.pki issues them): served on its ports and "
+       "presented as client certificate; re-read when it changes; none of the TLS files set = plaintext everywhere",
+       SERVICES),
     _s("tls_key", None, "the private key of --tls-cert", SERVICES),
     _s("tls_ca", None, "CA bundle that peers' certificates must chain to; internal ports then require client "
        "certificates", SERVICES),
-    _s("tls_server_name", None, "name expected in the certificates of the servers this process calls (they "
-       "register IPs)", SERVICES),
+    _s("tls_server_name", None, "the internal name: a server of role R must carry the DNS name R.<this> (workers "
+       "register IPs, which no certificate names); unset = handoff-internal", SERVICES),
+    _s("public_tls_cert", None, "the certificate of the router's public ports (PEM; re-read when it changes); "
+       "unset = --tls-cert, the router's internal identity", (ROUTER,)),
+    _s("public_tls_key", None, "the private key of --public-tls-cert", (ROUTER,)),
     _s("tls_require_client_cert", False, "also require client certificates on the public port (otherwise API "
        "keys authenticate)", (ROUTER,), bool),
     _s("api_keys_file", None, "file of API keys clients must send as 'authorization: Bearer <key>' (one per "

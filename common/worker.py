@@ -14,7 +14,7 @@ from typing import Callable
 import grpc
 import torch
 
-from common import cli, grpc_common, metrics, security, settings
+from common import authz, cli, grpc_common, metrics, security, settings
 from common.engine.engine import Engine
 from common.grpc_common import ServiceError
 from common.engine.kv_cache import KVCache
@@ -88,7 +88,8 @@ class WorkerConfig:
         cli.setup_logging(args.pop("log_level"))
         try:
             config = cls.from_settings(role, args)
-            security.check(config.tls)  # a bad certificate stops the worker now, not after loading the model
+            # A bad certificate, or another role's, stops the worker now, not after loading the model.
+            security.check(config.tls, role)
             return config
         except ValueError as exc:
             p.error(str(exc))
@@ -221,8 +222,9 @@ class WorkerBase:
         # Called (on the engine thread) once the engine has failed and this worker is out of service:
         # serve() makes it end the process, so that its supervisor starts a fresh one.
         self.on_engine_failure: Callable[[], None] = lambda: None
-        # Built once: every outgoing internal channel presents this worker's certificate.
-        self.channel_credentials = security.channel_credentials(config.tls)
+        # This worker's certificate, key and CA, re-read when they change: served on its ports, presented
+        # on every outgoing internal channel.
+        self.tls_files = security.tls_files(config.tls)
 
     # ---- model
 
@@ -257,8 +259,10 @@ class WorkerBase:
     # ---- lifecycle
 
     def start(self) -> "WorkerBase":
-        # Internal ports are mutual TLS whenever TLS is on: only holders of a certificate from the CA call them.
-        self.server_credentials = security.server_credentials(self.config.tls, require_client_cert=True)
+        # Internal ports are mutual TLS whenever TLS is on: only holders of a certificate from the CA call them,
+        # and each method only callers of the roles authz.ALLOWED_ROLES names.
+        self.server_credentials = (self.tls_files.server_credentials(require_client_cert=True)
+                                   if self.tls_files else None)
         set_threads(self.config.threads)
         self.model = self._load_model()
         cache = KVCache(self.model.config, self._num_blocks(), self.config.block_size, self.model.dtype,
@@ -274,7 +278,8 @@ class WorkerBase:
         self.engine = Engine(runner, self.tokenizer, self._engine_config())
         self.engine.failure_listeners.append(self._engine_failure)
         self.engine.start()
-        self.server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
+        self.server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES,
+                                              interceptors=self.interceptors())
         self.health = grpc_common.add_health_and_reflection(self.server, self.service_names)
         if self.engine_failed.is_set():
             grpc_common.set_dead(self.health, self.service_names)
@@ -326,12 +331,18 @@ class WorkerBase:
         except Exception:  # noqa: BLE001 - the entry still lapses by itself within heartbeat_ttl_s
             log.exception("could not leave the registry after the engine failed")
 
+    def interceptors(self) -> tuple[grpc.ServerInterceptor, ...]:
+        """Before the error interceptor on every port of this worker: with TLS, authorization by role."""
+        if self.tls_files is None:
+            return ()
+        return (authz.AuthorizationInterceptor(self.tls_files.identity),)
+
     def max_rpcs(self) -> int:
         """Calls the main server runs at once; beyond, gRPC answers RESOURCE_EXHAUSTED."""
         return 256
 
     def _start_extra(self) -> None:
-        """Extra servers (decode's KV port, with self.server_credentials); after the main port is bound."""
+        """Extra servers (decode's KV port); after the main port is bound."""
 
     def _stop_extra(self) -> None:
         """Stops what _start_extra started."""

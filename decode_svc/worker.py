@@ -102,11 +102,14 @@ class DecodeWorker(WorkerBase):
     def _start_extra(self) -> None:
         # Decode's KV port is its own server: pushes never compete with Decode streams or health
         # probes for RPC slots, and a NetworkPolicy can open the port to prefill pods alone.
-        self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
+        self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES,
+                                                 interceptors=self.interceptors())
         internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self), self.kv_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)  # same status as the main port
-        self.kv_port = grpc_common.bind(self.kv_server, self.config.host, self.config.kv_port, self.server_credentials,
-                                      flag="--kv-port")
+        # Credentials of its own: each port takes re-read TLS files at its own next handshake.
+        credentials = self.tls_files.server_credentials(require_client_cert=True) if self.tls_files else None
+        self.kv_port = grpc_common.bind(self.kv_server, self.config.host, self.config.kv_port, credentials,
+                                        flag="--kv-port")
         self.kv_server.start()
 
     def _stop_extra(self) -> None:

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from common import grpc_common, metrics
+from common import grpc_common, metrics, security
 from common.engine.engine import EngineConfig
 from common.grpc_common import ServiceError
 from common.engine.output import FinishReason
@@ -26,8 +26,8 @@ class PrefillWorker(WorkerBase):
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
         # Channels to decode workers' KV ports; targets come with each request, pods come and go.
-        self.kv_channels = grpc_common.ChannelCache(credentials=self.channel_credentials,
-                                                  server_name=self.config.tls.server_name)
+        self.kv_channels = grpc_common.ChannelCache(
+            tls=security.ClientTLS(self.tls_files, "decode") if self.tls_files else None)
         self.stream_kv = self.config.stream_kv  # read per request: bench.token_path compares both on one worker
 
     def _num_blocks(self) -> int:

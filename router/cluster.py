@@ -16,7 +16,7 @@ import sys
 import threading
 from dataclasses import replace
 
-from common import cli, settings
+from common import cli, security, settings
 from common.engine.model import Llama
 from common.engine.model_files import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
@@ -39,7 +39,7 @@ class Cluster:
                  port: int = 0, redis_url: str | None = None, dtype: str = settings.default("dtype"),
                  device: str = settings.default("device"), kv_memory_gib: float = settings.default("kv_memory_gib"),
                  threads: int = 0, router: RouterConfig | None = None,
-                 worker: WorkerConfig | None = None, http_port: int = 0):
+                 worker: WorkerConfig | None = None, http_port: int = 0, tls_dir: str | None = None):
         mode = (router or RouterConfig()).prefill_mode
         if num_decode < 1 or num_prefill < (1 if mode == "disaggregated" else 0):
             raise ValueError("a cluster needs at least one decode worker, and one prefill worker unless "
@@ -50,11 +50,16 @@ class Cluster:
         # The OpenAI-compatible HTTP API is on (http_port 0: a free port; -1: off).
         self.router_config = replace(router or RouterConfig(), host="127.0.0.1", port=port, model=model,
                                      redis_url=redis_url, http_port=http_port)
-        # TLS and API keys come in with `router` and `worker`; workers share one TLS config (and
-        # its certificate), and several workers cannot share one health port.
+        # API keys come in with `router`. TLS with tls_dir (python -m common.pki's files: each service gets the
+        # certificate of its role, the router's public port public.crt); several workers cannot share one
+        # health port.
         self.worker_config = replace(worker or WorkerConfig(role="prefill"), host="127.0.0.1", port=0,
                                      advertise_host="127.0.0.1", model=model, dtype=dtype, device=device,
                                      kv_memory_gib=kv_memory_gib, kv_port=0, metrics_port=-1, health_port=0)
+        self.tls_dir = tls_dir
+        if tls_dir is not None:
+            self.router_config = replace(self.router_config, tls=security.role_tls(
+                tls_dir, "router", require_client_cert=self.router_config.tls.require_client_cert))
         self.threads = threads
         self.redis: EmbeddedRedis | None = None
         self.prefill: list[PrefillWorker] = []
@@ -88,16 +93,19 @@ class Cluster:
         trim_memory()
         tokenizer = load_tokenizer(path)
         for i in range(self.num_prefill):
-            cfg = replace(self.worker_config, role="prefill", worker_id=f"prefill-{i}")
+            cfg = replace(self.worker_config, role="prefill", worker_id=f"prefill-{i}", tls=self._tls("prefill"))
             self.prefill.append(PrefillWorker(cfg, self.state, model=model, tokenizer=tokenizer).start())
         for i in range(self.num_decode):
-            cfg = replace(self.worker_config, role="decode", worker_id=f"decode-{i}")
+            cfg = replace(self.worker_config, role="decode", worker_id=f"decode-{i}", tls=self._tls("decode"))
             self.decode.append(DecodeWorker(cfg, self.state, model=model, tokenizer=tokenizer).start())
         for w in self.prefill + self.decode:
             if not w.registration.registered.wait(10):
                 raise RuntimeError(f"worker {w.config.worker_id} did not register in Redis within 10 s")
         self.router = RouterServer(replace(self.router_config, redis_url=self.redis_url), self.state).start()
         return self
+
+    def _tls(self, role: str):
+        return self.worker_config.tls if self.tls_dir is None else security.role_tls(self.tls_dir, role)
 
     def stop(self, drain_timeout_s: float = 5.0) -> None:
         if self.router:

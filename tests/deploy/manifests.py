@@ -49,7 +49,7 @@ COMPOSED = {"cpu+tls": ("cpu", ("tls", "api-keys"))}
 OVERLAYS = ("cpu", "gpu", *COMPOSED)
 
 
-TLS_SECRET, API_KEYS_SECRET = "handoff-tls", "handoff-api-keys"
+TLS_SECRET, API_KEYS_SECRET = "handoff-tls", "handoff-api-keys"  # TLS: handoff-tls-<role>, handoff-tls-public
 
 
 TLS_FILES = {"HANDOFF_TLS_CERT": "tls.crt", "HANDOFF_TLS_KEY": "tls.key", "HANDOFF_TLS_CA": "ca.crt"}

@@ -207,11 +207,12 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
             return urlunparse(url._replace(netloc=f"127.0.0.1:{server.port}"))
         return value
 
-    def channel(port: int) -> grpc.Channel:
-        """As a client of the router, or as the prefill worker it is not (for the KV port)."""
+    def channel(port: int, expect: str | None = None) -> grpc.Channel:
+        """As a client of the router (its public certificate names 127.0.0.1), or as a prefill worker
+        (for the KV port: expect="decode", the role its certificate must name)."""
         credentials = security.channel_credentials(client_tls) if client_tls else None
         return grpc_common.channel(f"127.0.0.1:{port}", credentials=credentials,
-                                 server_name=client_tls.server_name if client_tls else None)
+                                   server_name=client_tls.name_for(expect) if client_tls and expect else None)
 
     resolver = Resolver(objs, rewrite=rewrite)
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HANDOFF_", "REDIS_"))}
@@ -246,7 +247,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
                              f"{component} {probe}", logs)
         decode_ctr = container(deployments["decode"])
         kv_port = port_map[named_port(decode_ctr, "kv")]
-        wait_serving(kv_port, procs["decode"], time.monotonic() + 10, "decode KV port", logs, channel(kv_port))
+        wait_serving(kv_port, procs["decode"], time.monotonic() + 10, "decode KV port", logs, channel(kv_port, "decode"))
 
         # The workers registered the addresses the downward API gave them (podIP -> 127.0.0.1).
         client, _ = connect(f"redis://127.0.0.1:{server.port}/0", password=password)
@@ -347,26 +348,27 @@ def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
-    """The components' wiring, run: certificates and keys from mounted Secrets, mutual TLS between
-    the services (through the ConfigMap's tls-server-name: the certificate names no IP), probes
-    on the plaintext health ports, and a Generate over TLS with an API key."""
+    """The components' wiring, run: each role's certificate from its own mounted Secret, mutual TLS between
+    the services (through the ConfigMap's tls-server-name: the certificates name roles, no IP), every
+    internal call authorized by role, probes on the plaintext health ports, and a Generate over TLS (the
+    public certificate) with an API key."""
+    from common import pki as pki_tool
     from common.security import TLSConfig
-    from tests.support.certs import make_ca, make_cert
 
     pki = tmp_path / "pki"
-    pki.mkdir()
-    ca = make_ca(pki, "ca")
-    cert, key = make_cert(pki, "handoff", ca)
+    pki_tool.issue_all(pki, days=1)
     api_key = "deploy-test-key-0123"
     folder = tmp_path / "kustomize"
     folder.mkdir()
     overlay, components = COMPOSED["cpu+tls"]
+    ca = (pki / "ca.crt").read_bytes()
+    secrets = {f"{TLS_SECRET}-{role}": {"tls.crt": (pki / f"{role}.crt").read_bytes(),
+                                        "tls.key": (pki / f"{role}.key").read_bytes(), "ca.crt": ca}
+               for role in ("router", "prefill", "decode", "public")}
     compose(folder, overlay, components, secrets={
-        TLS_SECRET: {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(), "ca.crt": ca[0].read_bytes()},
-        API_KEYS_SECRET: {"api-keys": f"# test keys\nsome-other-key\n{api_key}\n".encode()}})
+        **secrets, API_KEYS_SECRET: {"api-keys": f"# test keys\nsome-other-key\n{api_key}\n".encode()}})
     objs = kustomize_build(folder)
-    server_name = of_kind(objs, "ConfigMap")[0]["data"]["tls-server-name"]
-    # The client: trusts the CA; the router's public port asks for no client certificate, and the
-    # certificate is handed over for the KV-port check only.
-    client_tls = TLSConfig(cert=str(cert), key=str(key), ca=str(ca[0]), server_name=server_name)
+    # The client: trusts the CA and checks the public certificate's 127.0.0.1; the router's public port asks
+    # for no client certificate, and the prefill certificate is handed over for the KV-port check only.
+    client_tls = TLSConfig(cert=str(pki / "prefill.crt"), key=str(pki / "prefill.key"), ca=str(pki / "ca.crt"))
     run_as_local_processes(objs, tmp_path, client_tls=client_tls, api_key=api_key)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from urllib.parse import urlparse
 
 import pytest
@@ -311,9 +312,10 @@ def file_from_secret(spec: dict, ctr: dict, path: str, secret_prefix: str) -> st
 
 @pytest.mark.parametrize("overlay", ["gpu", *COMPOSED])
 def test_tls_and_api_key_components(overlay):
-    """Every pool reads its certificate, key and CA as files of the Secret handoff-tls, names the
-    certificate it expects from the ConfigMap, and flags them on its command line; the router alone
-    reads API keys, as a file of the Secret handoff-api-keys."""
+    """Every pool reads its certificate, key and CA as files of its own role's Secret handoff-tls-<role>, and
+    mounts no other role's; names the certificate it expects from the ConfigMap, and flags them on its command
+    line; the router alone serves a public certificate (handoff-tls-public) and reads API keys, as a file of
+    the Secret handoff-api-keys."""
     objs = render(overlay)
     config = of_kind(objs, "ConfigMap")[0]
     for component in POOLS:
@@ -322,7 +324,17 @@ def test_tls_and_api_key_components(overlay):
         env = {e["name"]: e for e in ctr["env"]}
         assert tls_on(ctr), f"{component}: TLS on"
         for name, key in TLS_FILES.items():
-            assert file_from_secret(spec, ctr, env[name]["value"], TLS_SECRET) == key, f"{component}: {name}"
+            assert file_from_secret(spec, ctr, env[name]["value"], f"{TLS_SECRET}-{component}") == key, \
+                f"{component}: {name}"
+        tls_secrets = {re.sub(r"-[a-z0-9]{10}$", "", secret) for secret, _ in secret_mounts(spec, ctr).values()
+                       if secret.startswith(TLS_SECRET)}  # without a generator's hash suffix
+        public = {f"{TLS_SECRET}-public"} if component == "router" else set()
+        assert tls_secrets == {f"{TLS_SECRET}-{component}"} | public, f"{component} mounts {tls_secrets}"
+        if component == "router":
+            for name, key in (("HANDOFF_PUBLIC_TLS_CERT", "tls.crt"), ("HANDOFF_PUBLIC_TLS_KEY", "tls.key")):
+                assert file_from_secret(spec, ctr, env[name]["value"], f"{TLS_SECRET}-public") == key
+            assert {"--public-tls-cert=$(HANDOFF_PUBLIC_TLS_CERT)", "--public-tls-key=$(HANDOFF_PUBLIC_TLS_KEY)"} \
+                <= set(ctr["args"])
         server_name = env["HANDOFF_TLS_SERVER_NAME"]["valueFrom"]["configMapKeyRef"]
         assert server_name["name"] == config["metadata"]["name"] and config["data"][server_name["key"]], component
         flags = {"--tls-cert=$(HANDOFF_TLS_CERT)", "--tls-key=$(HANDOFF_TLS_KEY)", "--tls-ca=$(HANDOFF_TLS_CA)",
