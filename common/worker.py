@@ -25,7 +25,7 @@ from common.redis_server import announce_embedded, connect
 from common.engine.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig
 from common.settings import default
-from common.state import StateStore, StateUnavailable, WorkerInfo
+from common.state import StatePermissionDenied, StateStore, StateUnavailable, WorkerInfo
 from common.engine.tokenizer import load_tokenizer
 from common.engine.weights import load_weights, trim_memory
 
@@ -184,7 +184,7 @@ class Registration:
         if deregister:
             info = self._info()
             try:
-                self.state.deregister(info.worker_id, info.epoch)
+                self.state.deregister(info.worker_id, info.epoch, info.role)
             except StateUnavailable as exc:
                 log.warning("could not deregister (the entry expires by itself): %s", exc)
 
@@ -214,6 +214,7 @@ class WorkerBase:
         self.started_at = time.time()
         self.metrics_port = 0  # set by serve() once /metrics listens
         self._published: tuple[list[bytes], float] = ([], 0.0)  # prefix hashes last published, and when
+        self._reaps = True  # ends dead routers' requests after each beat, while Redis lets it
         self.server = None
         self.health = None
         self.health_server = None
@@ -347,6 +348,12 @@ class WorkerBase:
     def _stop_extra(self) -> None:
         """Stops what _start_extra started."""
 
+    @property
+    def identity(self) -> str:
+        """The SPIFFE ID of this worker's certificate, registered with it; "" with TLS off."""
+        identity = self.tls_files.identity if self.tls_files else None
+        return identity.spiffe_id if identity else ""
+
     def prefix_info(self) -> dict:
         """WorkerInfo fields saying how this worker names prompt prefixes (for cache-aware routing)."""
         hasher = self.engine.hasher
@@ -359,15 +366,23 @@ class WorkerBase:
         now = time.monotonic()
         if hashes == self._published[0] and now - self._published[1] < 5.0:
             return
-        self.state.publish_prefixes(self.config.worker_id, hashes, ttl_s=20.0)
+        self.state.publish_prefixes(self.config.worker_id, hashes, ttl_s=20.0, role=self.config.role)
         self._published = (hashes, now)
 
     def _after_beat(self) -> None:
         self._check_drain_request()
         self._publish_prefixes()
-        # Any survivor ends the requests of a router that died (its registration lapsed).
-        for router_id, num_ended in self.state.reap_routers().items():
-            log.warning("router %s is gone: ended its %d requests still in flight", router_id, num_ended)
+        # Any survivor ends the requests of a router that died (its registration lapsed), unless Redis ACLs
+        # make request records the routers' alone (common/redis_acl.py): then a router, restarted or not, does.
+        if self._reaps:
+            try:
+                reaped = self.state.reap_routers()
+            except StatePermissionDenied:
+                log.info("dead routers' requests are the routers' to end: this worker's Redis user may not")
+                self._reaps = False
+                return
+            for router_id, num_ended in reaped.items():
+                log.warning("router %s is gone: ended its %d requests still in flight", router_id, num_ended)
 
     @property
     def address(self) -> str:
@@ -451,7 +466,7 @@ class WorkerBase:
         if not self.drain_requested.is_set():
             return
         try:
-            self.state.end_drain(self.config.worker_id, self.epoch)
+            self.state.mark_drained(self.config.role, self.config.worker_id, self.epoch, ttl_s=300.0)
         except StateUnavailable as exc:
             log.warning("could not clear the drain request (it expires by itself): %s", exc)
 

@@ -50,7 +50,8 @@ class PrefillWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=self.num_inflight,
                           num_waiting=len(self.engine.waiting), started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, identity=self.identity,
+                          **self.prefix_info())
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         super().stop(drain_timeout_s)

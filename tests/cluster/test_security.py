@@ -264,7 +264,8 @@ class _Records(logging.Handler):
 
 @pytest.fixture(scope="module")
 def secure(pki):
-    """Embedded Redis with an ACL user, 1 prefill + 1 decode + router, all on mutual TLS, API keys on.
+    """The default topology as users run it with security on: 1 prefill + 1 decode + router, each with its
+    role's certificate, mutual TLS, authorization by role, a Redis ACL user per role, API keys on.
 
     Everything the cluster logs, from its start, is recorded at DEBUG for the secrets test."""
     records = _Records()
@@ -272,23 +273,18 @@ def secure(pki):
     old_level = root.level
     root.addHandler(records)
     root.setLevel(logging.DEBUG)
-    redis_server = EmbeddedRedis(password=REDIS_SECRET, username=REDIS_USER).start()
     cluster = None
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            # As in a pod: the Redis credentials arrive in the environment, the URL has none.
-            mp.setenv("REDIS_PASSWORD", REDIS_SECRET)
-            mp.setenv("REDIS_USERNAME", REDIS_USER)
-            router = RouterConfig(api_keys=API_KEYS, health_port=free_port())
-            cluster = Cluster(num_prefill=1, num_decode=1, dtype="fp32", kv_memory_gib=0.1, threads=1,
-                              redis_url=f"redis://127.0.0.1:{redis_server.port}/0", router=router,
-                              tls_dir=str(pki.folder)).start()
+        # TLS on means Redis ACLs on: the embedded Redis gets a user per role, each service connects as its own.
+        router = RouterConfig(api_keys=API_KEYS, health_port=free_port())
+        cluster = Cluster(num_prefill=1, num_decode=1, dtype="fp32", kv_memory_gib=0.1, threads=1, router=router,
+                          tls_dir=str(pki.folder))
+        cluster.start()
         cluster.records = records
         yield cluster
     finally:
         if cluster is not None:
             cluster.stop()
-        redis_server.stop()
         root.removeHandler(records)
         root.setLevel(old_level)
 
@@ -338,6 +334,23 @@ def test_generate_over_tls_with_a_valid_key(secure, pki):
     kv_in = REGISTRY.get_sample_value("handoff_kv_transfer_bytes_total",
                                       {"worker": secure.decode[0].config.worker_id, "direction": "in"})
     assert kv_in and kv_in > 0, "the KV went prefill -> decode over the KV port"
+
+
+def test_each_service_is_its_own_redis_user_and_greedy_and_sampled_requests_run(secure, pki):
+    """With TLS and ACLs on, as users run it: each service is its role's Redis user, registrations carry the
+    workers' identities, and greedy and sampled requests give the same tokens for the same seed."""
+    users = {"router": secure.router.state, "prefill": secure.prefill[0].state, "decode": secure.decode[0].state}
+    assert {role: store.client.acl_whoami() for role, store in users.items()} == \
+        {role: f"handoff-{role}" for role in users}
+    assert {(w.role, w.identity) for w in secure.states["operator"].list_workers()} == \
+        {(role, f"spiffe://handoff/default/role/{role}") for role in ("prefill", "decode")}
+    runs = {}
+    for name, fields in (("greedy", dict(temperature=0.0)), ("sampled", dict(temperature=0.9, top_p=0.95, seed=7))):
+        outputs = [[t for m in generate(secure.address, pki, API_KEYS[0], max_tokens=6, **fields) for t in m.token_ids]
+                   for _ in range(2)]
+        assert len(outputs[0]) == 6 and outputs[0] == outputs[1], (name, outputs)
+        runs[name] = outputs[0]
+    secure.check_integrity()
 
 
 @pytest.mark.parametrize("api_key, message", [
@@ -518,7 +531,7 @@ def test_router_can_require_client_certificates(secure, pki):
 
 
 def test_no_secret_in_logs_statuses_or_metrics(secure, pki, caplog):
-    secrets = (*API_KEYS, WRONG_KEY, REDIS_SECRET)
+    secrets = (*API_KEYS, WRONG_KEY, *(password for _, password in secure.redis_credentials.values()))
     with caplog.at_level(logging.DEBUG):
         statuses = []
         for key in (WRONG_KEY, None):
@@ -537,4 +550,4 @@ def test_no_secret_in_logs_statuses_or_metrics(secure, pki, caplog):
     for where, text in texts.items():
         for secret in secrets:
             assert secret not in text, f"a secret appears in the {where}"
-    assert os.environ.get("REDIS_PASSWORD") != REDIS_SECRET, "the fixture's environment was restored"
+    assert "REDIS_PASSWORD" not in os.environ, "the cluster's Redis credentials never went through the environment"
