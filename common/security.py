@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import logging
 import os
+import signal
 import ssl
 import threading
 import time
@@ -167,14 +168,14 @@ class TLSFiles:
     or on reload(). A change that does not load (a half-written file, a key of another certificate) is
     logged and the files in use are kept, so a bad rotation never takes a service down."""
 
-    def __init__(self, cfg: TLSConfig, *, check_interval_s: float = CHECK_INTERVAL_S):
+    def __init__(self, cfg: TLSConfig, *, check_interval_s: float | None = None):
         self.cfg = cfg
-        self.check_interval_s = check_interval_s
+        self.check_interval_s = CHECK_INTERVAL_S if check_interval_s is None else check_interval_s
         self._lock = threading.Lock()
         self._paths = [p for p in (cfg.cert, cfg.key, cfg.ca) if p]
         self._signature = self._stat()
         self._material = _load(cfg)
-        self._next_check = time.monotonic() + check_interval_s
+        self._next_check = time.monotonic() + self.check_interval_s
         self.generation = 0  # +1 at every change that loaded
         self._last_error = ""
         _live_files.add(self)
@@ -270,6 +271,14 @@ def reload_all() -> None:
         files.reload()
     for keys in list(_live_keys):
         keys.reload()
+
+
+def reload_on_sighup() -> None:
+    """SIGHUP re-reads every TLS and API-key file of this process at once (call from the main thread)."""
+    def handler(signum, frame):
+        # Off the signal handler: a reload takes locks a gRPC thread may hold.
+        threading.Thread(target=reload_all, name="sighup-reload", daemon=True).start()
+    signal.signal(signal.SIGHUP, handler)
 
 
 def role_tls(folder: str | Path, role: str, *, server_name: str | None = None,
@@ -382,13 +391,13 @@ class APIKeyFile(APIKeys):
     (looked at on a check, at most every check_interval_s) or on reload(). A file that no longer reads
     (removed, emptied) is logged and the keys in use are kept: a bad rotation never locks every client out."""
 
-    def __init__(self, path: str, env_value: str | None = None, *, check_interval_s: float = CHECK_INTERVAL_S):
+    def __init__(self, path: str, env_value: str | None = None, *, check_interval_s: float | None = None):
         self.path, self._env_value = path, env_value
-        self.check_interval_s = check_interval_s
+        self.check_interval_s = CHECK_INTERVAL_S if check_interval_s is None else check_interval_s
         self._lock = threading.Lock()
         self._signature = self._stat()
         super().__init__(read_api_keys(path, env_value))
-        self._next_check = time.monotonic() + check_interval_s
+        self._next_check = time.monotonic() + self.check_interval_s
         _live_keys.add(self)
 
     def _stat(self):

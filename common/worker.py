@@ -481,6 +481,7 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    security.reload_on_sighup()  # certificates are also re-read when they change, within a second
     worker = worker_cls(config, StateStore(client))
     worker.metrics_port = metrics_port
     worker.on_drain_request = stop.set  # `python -m router.status drain` does what SIGTERM does
