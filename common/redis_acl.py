@@ -19,11 +19,13 @@ write any request record, and only the operator can drain. No role can run admin
 FLUSHALL, KEYS, DEBUG, SHUTDOWN, MONITOR, SCRIPT FLUSH, ...).
 
     python -m common.redis_acl                 # the rules of every role, one line each (a users.acl without passwords)
+    python -m common.redis_acl --write deploy/k8s/base/redis-acl   # one file per role: what deploy/ gives Redis
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+from pathlib import Path
 
 ROLES = ("router", "prefill", "decode", "operator")
 DEFAULT_PREFIX = "handoff:"
@@ -88,7 +90,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m common.redis_acl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="the store's key prefix")
+    p.add_argument("--write", metavar="DIR", help="write each role's rules to DIR/<role> instead")
     args = p.parse_args(argv)
+    if args.write:
+        for role in ROLES:
+            (Path(args.write) / role).write_text(rules(role, args.prefix) + "\n")
+        return
     for role in ROLES:
         print(f"user {username(role)} on <password> {rules(role, args.prefix)}")
 

@@ -71,7 +71,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("port", {ROUTER: 50051, PREFILL: 50061, DECODE: 50071, CLUSTER: 50051},
        "gRPC port (router.cluster: the router's Generate port; its workers take free ones)", EVERY, int),
     _s("http_port", 8000, "the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-       "/health, /metrics); 0 = a free port, -1 = off", (ROUTER, CLUSTER), int),
+       "/health; metrics are on --metrics-port alone); 0 = a free port, -1 = off", (ROUTER, CLUSTER), int),
     _s("kv_port", 0, "KV-transfer port (prefill workers push here; registered in Redis); 0 = a free one",
        (DECODE,), int),
     _s("metrics_port", {ROUTER: 9100, PREFILL: 0, DECODE: 0},

@@ -1,7 +1,7 @@
 """The router's OpenAI-compatible HTTP port: Starlette on uvicorn, in front of the same GenerateCall as gRPC.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events with "stream": true)
-    GET  /v1/models, GET /health, GET /metrics
+    GET  /v1/models, GET /health      (metrics are on --metrics-port, never on this public port)
 
 A request is parsed (router/openai_schema.py), validated by the router's RequestValidator and served by one
 GenerateCall per choice, exactly as Generate serves a gRPC call: records in Redis, leases, failover,
@@ -28,7 +28,6 @@ from dataclasses import replace
 
 import grpc
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -136,7 +135,6 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._no_route, 405: self._no_route})
 
     # ---- routes
@@ -159,9 +157,6 @@ class OpenAIApp:
         ready = self.is_ready()
         return self._respond(request, JSONResponse({"status": "ok" if ready else "not serving"},
                                                    status_code=200 if ready else 503))
-
-    async def metrics(self, request: Request) -> Response:
-        return self._respond(request, Response(generate_latest(), media_type=CONTENT_TYPE_LATEST))
 
     async def _no_route(self, request: Request, exc) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -343,7 +338,7 @@ class OpenAIApp:
         return response
 
 
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
 
 
 def _choices(valid: ValidRequest, n: int, *, seeded: bool) -> list[ValidRequest]:

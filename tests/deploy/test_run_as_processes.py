@@ -106,6 +106,34 @@ class Resolver:
         return mounted
 
 
+def redis_users_of(objs: list[dict], deployment: dict, root: Path) -> dict[str, str]:
+    """Run the Redis container's start script (up to its exec) on the rendered rules and passwords, as the
+    kubelet mounts them; check the ACL file it writes is the code's users; role -> password."""
+    from common import redis_acl
+
+    resolver = Resolver(objs)
+    spec, ctr = pod_spec(deployment), container(deployment)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    script = ctr["args"][0]
+    for mount in ctr["volumeMounts"]:
+        volume, folder = volumes[mount["name"]], root / mount["mountPath"].strip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        if "configMap" in volume:
+            for key, value in resolver.config[volume["configMap"]["name"]].items():
+                (folder / key).write_text(value)
+        for source in volume.get("projected", {}).get("sources", []):
+            for item in source["secret"]["items"]:
+                (folder / item["path"]).write_text(resolver.secrets[source["secret"]["name"]][item["key"]])
+        script = script.replace(mount["mountPath"], str(folder))
+    proc = subprocess.run(["sh", "-c", script.split("exec redis-server")[0]], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    passwords = {role: (root / "etc/handoff/redis-users" / role).read_text() for role in redis_acl.ROLES}
+    written = (root / "tmp/users.acl").read_text().splitlines()
+    assert written == ["user default off"] + [redis_acl.user_line(r, passwords[r]) for r in redis_acl.ROLES], written
+    return passwords
+
+
 def remap_mounted(env: dict[str, str], mounted: dict[str, Path]) -> dict[str, str]:
     """Environment values that are paths on a mounted volume, moved to where it was written here;
     each must name a file the volume holds."""
@@ -175,12 +203,9 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
 
     deployments = {c: one(objs, "Deployment", c) for c in (*POOLS, "redis")}
 
-    # Redis: the password the Redis Deployment requires, from the rendered Secret.
-    redis_ctr = container(deployments["redis"])
-    plain = Resolver(objs)
-    redis_argv = plain.argv(redis_ctr, plain.env(deployments["redis"], redis_ctr))
-    password = redis_argv[redis_argv.index("--requirepass") + 1]
-    assert password and "$(" not in password, "the Redis password resolves from the Secret"
+    # Redis: its container's script run on the rendered Secrets and rules builds the ACL file; the server here
+    # is given the same users (EmbeddedRedis writes the same lines).
+    passwords = redis_users_of(objs, deployments["redis"], tmp_path / "redis")
     redis_service = one(objs, "Service", "redis")
     service_hosts = {redis_service["metadata"]["name"],
                      f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc"}
@@ -191,7 +216,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         for p in container(deployments[component])["ports"]:
             port_map[p["containerPort"]] = free_port()  # never the same port twice in a process
 
-    server = EmbeddedRedis(password=password).start()
+    server = EmbeddedRedis(acl_users=passwords).start()
     procs: dict[str, subprocess.Popen] = {}
     log_paths = {c: tmp_path / f"{c}.log" for c in POOLS}
 
@@ -250,7 +275,8 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         wait_serving(kv_port, procs["decode"], time.monotonic() + 10, "decode KV port", logs, channel(kv_port, "decode"))
 
         # The workers registered the addresses the downward API gave them (podIP -> 127.0.0.1).
-        client, _ = connect(f"redis://127.0.0.1:{server.port}/0", password=password)
+        client, _ = connect(f"redis://127.0.0.1:{server.port}/0", username="handoff-operator",
+                            password=passwords["operator"])
         store = StateStore(client)
         prefill_ctr = container(deployments["prefill"])
         registered = {(w.role, w.address, w.kv_address) for w in store.list_workers()}

@@ -7,6 +7,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from common import redis_acl
+
 from tests.deploy.manifests import (
     API_KEYS_SECRET,
     COMPONENT,
@@ -20,7 +22,9 @@ from tests.deploy.manifests import (
     TLS_SECRET,
     WORKERS,
     all_containers,
+    compose,
     container,
+    kustomize_build,
     module_entry_exists,
     named_port,
     of_kind,
@@ -117,6 +121,7 @@ def test_services_run_their_module_with_every_setting(overlay):
         assert {"REDIS_URL", "REDIS_PASSWORD"} <= env, component
         secret = next(e for e in ctr["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]
         assert "secretKeyRef" in secret, f"{component}: REDIS_PASSWORD comes from a Secret"
+        assert "REDIS_USERNAME" in env, f"{component}: its own Redis ACL user"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -246,22 +251,44 @@ def test_configuration_comes_from_the_configmap_and_the_password_from_a_secret(o
     assert url.hostname in (redis_service["metadata"]["name"],
                             f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc")
     assert url.port in [p["port"] for p in redis_service["spec"]["ports"]]
-    redis_ctr = container(one(objs, "Deployment", "redis"))
-    args = redis_ctr["args"]
-    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    redis_secret = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis_ctr["env"]}["REDIS_PASSWORD"]
+    # Redis: an ACL user per role, rules from the code (common/redis_acl.py), passwords from each role's Secret.
+    redis_deployment = one(objs, "Deployment", "redis")
+    redis_ctr = container(redis_deployment)
+    script = redis_ctr["args"][0]
+    assert redis_ctr["command"] == ["sh", "-c"] and "--aclfile /tmp/users.acl" in script
+    assert script.index("user default off") < script.index("exec redis-server"), "the default user is off"
+    assert "for role in router prefill decode operator" in script and "sha256sum" in script
+    assert "requirepass" not in script
+    acl = next(o for o in of_kind(objs, "ConfigMap") if o["metadata"]["name"].startswith("handoff-redis-acl"))
+    assert {k: v.strip() for k, v in acl["data"].items()} == {r: redis_acl.rules(r) for r in redis_acl.ROLES}, \
+        "deploy/k8s/base/redis-acl differs from the code: python -m common.redis_acl --write deploy/k8s/base/redis-acl"
+    volumes = {v["name"]: v for v in pod_spec(redis_deployment)["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in redis_ctr["volumeMounts"]}
+    assert mounts["/etc/handoff/redis-acl"]["configMap"]["name"] == acl["metadata"]["name"]
+    users = mounts["/etc/handoff/redis-users"]["projected"]
+    assert users["defaultMode"] & 0o007 == 0
+    role_secret = {src["secret"]["items"][0]["path"]: src["secret"]["name"] for src in users["sources"]}
+    assert set(role_secret) == set(redis_acl.ROLES)
+    assert all(role_secret[r].startswith(f"handoff-redis-{r}") for r in redis_acl.ROLES), role_secret
     for component in POOLS:
         ctr = container(one(objs, "Deployment", component))
         refs = {e["name"]: e.get("valueFrom", {}) for e in ctr["env"]}
-        assert refs["REDIS_PASSWORD"]["secretKeyRef"] == redis_secret, f"{component}: the password Redis requires"
+        values = {e["name"]: e.get("value") for e in ctr["env"]}
+        assert values["REDIS_USERNAME"] == redis_acl.username(component), f"{component}: its own Redis user"
+        assert refs["REDIS_PASSWORD"]["secretKeyRef"] == {"name": role_secret[component], "key": "password"}, \
+            f"{component}: its own role's password, and no other"
+        others = {n for n, r in refs.items() if "secretKeyRef" in r and r["secretKeyRef"]["name"].startswith(
+            "handoff-redis-") and r["secretKeyRef"]["name"] != role_secret[component]}
+        assert not others, f"{component} reads another role's Redis password: {others}"
         assert refs["REDIS_URL"]["configMapKeyRef"] == {"name": config["metadata"]["name"], "key": "redis-url"}
         for name in ("HANDOFF_PORT", "HANDOFF_MODEL", "HANDOFF_METRICS_PORT"):
             assert refs[name]["configMapKeyRef"]["name"] == config["metadata"]["name"], f"{component}: {name}"
     secrets = of_kind(objs, "Secret")
     if overlay == "gpu":
-        assert not secrets, "the gpu overlay ships no password: the operator supplies the Secret"
+        assert not secrets, "the gpu overlay ships no password: the operator supplies the Secrets"
     else:
-        assert [s["metadata"]["name"] for s in secrets] == [redis_secret["name"]]
+        assert sorted(s["metadata"]["name"] for s in secrets if s["metadata"]["name"].startswith("handoff-redis")) \
+            == sorted(role_secret.values())
 
 
 def test_gpu_overlay_puts_each_worker_pool_on_its_own_gpu_nodes():
@@ -362,3 +389,26 @@ def test_cpu_overlay_stays_plaintext():
     for component in POOLS:
         ctr = container(one(render("cpu"), "Deployment", component))
         assert not tls_on(ctr) and "health" not in {p["name"] for p in ctr["ports"]}, component
+
+
+def test_cert_manager_component_issues_each_role_its_identity(tmp_path):
+    """components/cert-manager writes exactly the Secrets components/tls mounts, each certificate naming its
+    role as the code expects (common/pki.py): the SPIFFE ID of the overlay's namespace, and <role>.<name> of
+    the ConfigMap's tls-server-name; the operator's identity too (mounted nowhere), and the public one."""
+    from common import pki
+
+    objs = kustomize_build(compose(tmp_path, "cpu", ("tls", "cert-manager", "api-keys")))
+    certs = {c["spec"]["secretName"]: c["spec"] for c in of_kind(objs, "Certificate")}
+    name = of_kind(objs, "ConfigMap")[0]["data"]["tls-server-name"]
+    for role in pki.ROLES:
+        spec = certs[f"{TLS_SECRET}-{role}"]
+        namespace = one(objs, "Deployment", "router")["metadata"]["namespace"]
+        assert spec["uris"] == [pki.spiffe_id(namespace, role)] and spec["dnsNames"] == [pki.server_name(role, name)]
+        assert {"server auth", "client auth"} <= set(spec["usages"]), role
+        assert spec["privateKey"]["rotationPolicy"] == "Always" and spec["issuerRef"]["name"] == "handoff-ca"
+    mounted = {re.sub(r"-[a-z0-9]{10}$", "", secret) for component in POOLS
+               for secret, _ in secret_mounts(pod_spec(one(objs, "Deployment", component)),
+                                              container(one(objs, "Deployment", component))).values()
+               if secret.startswith(TLS_SECRET)}
+    assert mounted == set(certs) - {f"{TLS_SECRET}-operator", "handoff-ca"}, mounted
+    assert "handoff-router" in certs[f"{TLS_SECRET}-public"]["dnsNames"]
