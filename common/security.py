@@ -49,7 +49,7 @@ class TLSError(ValueError):
 class TLSConfig:
     """Where this process's certificate, key and CA bundle are; all None = plaintext."""
 
-    cert: str | None = None  # PEM certificate chain of this service's role: server cert, and client cert on outgoing channels
+    cert: str | None = None  # PEM chain of this service's role: its server and its client certificate
     key: str | None = None  # PEM private key of `cert`
     ca: str | None = None  # PEM CA bundle that peers' certificates must chain to
     server_name: str | None = None  # internal name: a server of role R must carry R.<name> (default handoff-internal)
@@ -115,8 +115,8 @@ def _load(cfg: TLSConfig) -> _Material:
     cert = _read(cfg.cert, "TLS certificate (--tls-cert)", "-----BEGIN CERTIFICATE-----") if cfg.cert else None
     key = _read(cfg.key, "TLS key (--tls-key)", "PRIVATE KEY-----") if cfg.key else None
     ca = _read(cfg.ca, "TLS CA bundle (--tls-ca)", "-----BEGIN CERTIFICATE-----") if cfg.ca else None
-    # gRPC reports a bad PEM only as a failed bind or handshake; OpenSSL's parser names the fault. The
-    # bytes read above are what is parsed (a file replaced in between is read again on the next look).
+    # gRPC reports a bad PEM only as a failed bind or handshake; OpenSSL's parser names the fault. (A file
+    # replaced between the two reads fails here; a reload then keeps the files in use and looks again.)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if cert is not None:
         def encrypted() -> bytes:  # instead of OpenSSL's interactive passphrase prompt
@@ -175,14 +175,14 @@ class TLSFiles:
         self._paths = [p for p in (cfg.cert, cfg.key, cfg.ca) if p]
         self._signature = self._stat()
         self._material = _load(cfg)
+        # Who this process is (None without a handoff identity). A rotation keeps the role: a certificate
+        # of another role is refused like a broken file.
+        self.identity: Identity | None = pki.identity_of_pem(self._material.cert) if self._material.cert else None
+        self._role = self.identity.role if self.identity else None
         self._next_check = time.monotonic() + self.check_interval_s
         self.generation = 0  # +1 at every change that loaded
         self._last_error = ""
         _live_files.add(self)
-
-    @property
-    def identity(self) -> Identity | None:
-        return pki.identity_of_pem(self._material.cert) if self._material.cert else None
 
     def _stat(self) -> tuple:
         out = []
@@ -213,6 +213,8 @@ class TLSFiles:
                 return
             try:
                 material = _load(self.cfg)
+                if self._role is not None and material.cert is not None:
+                    check_identity(self.cfg, material.cert, self._role)
             except TLSError as exc:
                 # Looked at again next time: the rest of a rotation may still be on its way.
                 if str(exc) != self._last_error:
@@ -223,6 +225,7 @@ class TLSFiles:
             if material == self._material:
                 return
             self._material = material
+            self.identity = pki.identity_of_pem(material.cert) if material.cert else None
             self.generation += 1
             log.warning("TLS files re-read (generation %d): new connections use them", self.generation)
 

@@ -211,12 +211,17 @@ def test_api_keys_and_a_bad_rotation(rotating):
     assert status(OLD_KEY) == "OK"
     keys.write_text(f"# rotated\n{NEW_KEY}\n")
     until(OLD_KEY, "UNAUTHENTICATED")
-    # A rotation gone wrong keeps what works: an emptied keys file, a certificate without its key.
+    # A rotation gone wrong keeps what works: an emptied keys file; a certificate without its key, on the
+    # prefill worker; on the decode worker, a good pair of another role (the router's, from the same CA).
     keys.write_text("# nothing\n")
-    (live / "decode.crt").write_bytes(pki_tool.CA.create().issue("decode").cert_pem)
+    (live / "prefill.crt").write_bytes(pki_tool.CA.create().issue("prefill").cert_pem)
+    pki_tool.write_role_files(live, "decode", pki_tool.CA.load(live).issue("router", days=1))
     time.sleep(5 * INTERVAL_S)
     assert status(NEW_KEY) == "OK" and status(OLD_KEY) == "UNAUTHENTICATED"
-    assert health(cluster.decode[0].address, security.role_tls(live, "router"), "decode") == "SERVING"
+    router = security.role_tls(live, "router")
+    assert health(cluster.decode[0].address, router, "decode") == "SERVING", "still the decode certificate"
+    assert health(cluster.prefill[0].address, router, "prefill") == "SERVING"
+    assert {f.identity.role for f in files_of(cluster) if f.identity} == {"router", "prefill", "decode"}
 
 
 def test_sighup_rereads_at_once(tmp_path):
