@@ -123,6 +123,11 @@ class EmbeddedRedis:
         return redis_acl.username(role), self.acl_users[role]
 
     @property
+    def folder(self) -> str | None:
+        """Its private (0700) working folder while it runs."""
+        return self._dir
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 

@@ -84,6 +84,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("redis_url", None, "Redis URL (redis://host:port/db, rediss:// for TLS; the password comes from "
        "REDIS_PASSWORD); unset = start an embedded Redis server in this process and log its URL for the other "
        "services", EVERY, env="REDIS_URL"),
+    _s("redis_acl", False, "the embedded Redis gets one ACL user per role (common/redis_acl.py) and each service "
+       "connects as its own; the operator's credentials go to a 0600 file whose path is printed, for python -m "
+       "router.status", (CLUSTER,), bool),
     _s("log_level", "INFO", "logging level", EVERY, _level, LOG_LEVELS),
     # The model and how it is computed.
     _s("model", "smollm2", "a .gguf file, an HF checkpoint folder, or a short name (smollm2)", EVERY),

@@ -16,8 +16,9 @@ import signal
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
-from common import cli, redis_acl, security, settings
+from common import cli, pki, redis_acl, security, settings
 from common.engine.model import Llama
 from common.engine.model_files import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
@@ -148,6 +149,15 @@ class Cluster:
         self.stop()
 
 
+def write_operator_env(cluster: Cluster) -> Path:
+    """REDIS_USERNAME and REDIS_PASSWORD of the operator's ACL user, in a file only this user may read (never
+    on the terminal or in a log), removed with the embedded Redis's folder."""
+    user, password = cluster.redis_credentials["operator"]
+    path = Path(cluster.redis.folder) / "operator.env"
+    pki.write_private(path, f"REDIS_USERNAME={user}\nREDIS_PASSWORD={password}\n".encode())
+    return path
+
+
 def parse_args(argv=None) -> tuple[argparse.Namespace, RouterConfig, WorkerConfig]:
     """The command line (and HANDOFF_* environment) as the cluster's router and worker configs."""
     from router import client
@@ -177,7 +187,7 @@ def main(argv=None) -> None:
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, device=args.device,
                       kv_memory_gib=args.kv_memory_gib, threads=args.threads, router=router, worker=worker,
-                      http_port=args.http_port)
+                      http_port=args.http_port, redis_acl=args.redis_acl)
     dtype = DTYPE_NAMES[parse_dtype(args.dtype)]
     why = f", {auto_dtype()[1]}" if args.dtype == "auto" else ""
     print(f"starting: {args.prefill} prefill + {args.decode} decode workers ({args.prefill_mode}), "
@@ -186,6 +196,10 @@ def main(argv=None) -> None:
     cluster.start()
     print(f"handoff cluster serving Generate on {cluster.address}"
           + (f", the OpenAI API at {cluster.http_url}" if args.http_port >= 0 else ""), file=sys.stderr)
+    if cluster.redis is not None and cluster.redis_credentials:
+        path = write_operator_env(cluster)
+        print(f"Redis ACLs on (a user per role); the operator's credentials: set -a; . {path}; set +a; "
+              f"python -m router.status --redis-url {cluster.redis_url}", file=sys.stderr)
     try:
         if args.prompt or args.message:
             if args.prompt and not args.message:

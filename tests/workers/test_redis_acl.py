@@ -70,7 +70,7 @@ def test_each_role_does_its_own_job(stores):
     assert router.get_request("r1")["state"] == "finished"
     # The operator: reads everything, and alone asks for a drain.
     assert {w.worker_id for w in operator.list_workers()} == {"d0", "p0"}
-    assert operator.reservations("d0") == {} and operator.available_blocks("d0") == 20
+    assert operator.reservations("d0") == {} and operator.available_blocks("d0") == 20 and operator.redis_time() > 0
     assert operator.recent_request_ids(10) == (["r1"], 1) and operator.get_request("r1")["state"] == "finished"
     operator.request_drain("d0", "e1", ttl_s=30)
     assert decode.drain_requested("d0", "e1") and set(operator.drain_requests()) == {"d0"}
