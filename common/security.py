@@ -276,6 +276,30 @@ def reload_all() -> None:
         keys.reload()
 
 
+def rotating_ssl_context(ctx: ssl.SSLContext, cfg: TLSConfig, *, require_client_cert: bool) -> None:
+    """Make a server SSLContext built from `cfg` (the router's HTTPS port, uvicorn's) take re-read files at
+    each new handshake, as the gRPC ports do: OpenSSL asks the callback at every ClientHello, SNI or not."""
+    files = TLSFiles(cfg)
+    current = {"generation": files.generation, "ctx": ctx}
+
+    def on_hello(sslobj: ssl.SSLObject, server_name, _ctx) -> None:
+        m = files.material()
+        if files.generation != current["generation"]:
+            new = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            try:
+                new.load_cert_chain(cfg.cert, cfg.key)
+                if require_client_cert:
+                    new.verify_mode = ssl.CERT_REQUIRED
+                    new.load_verify_locations(cadata=m.ca.decode("ascii", errors="replace"))
+            except (OSError, ssl.SSLError) as exc:  # changed again since the look: the next handshake retries
+                log.warning("HTTPS: the re-read TLS files did not load (%s); this connection gets the previous", exc)
+                return
+            current.update(generation=files.generation, ctx=new)
+        if current["ctx"] is not ctx:
+            sslobj.context = current["ctx"]
+    ctx.sni_callback = on_hello
+
+
 def reload_on_sighup() -> None:
     """SIGHUP re-reads every TLS and API-key file of this process at once (call from the main thread)."""
     def handler(signum, frame):

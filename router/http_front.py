@@ -424,13 +424,16 @@ class HTTPServer:
             raise PortInUse(f"cannot listen on {cfg.host}:{cfg.http_port}: another process uses it; choose "
                             f"another with --http-port (0 picks a free one, -1 turns HTTP off)") from None
         self.port = sock.getsockname()[1]
-        tls = cfg.tls
+        tls = cfg.tls.public  # the public certificate (--public-tls-cert), as on the gRPC port
         config = uvicorn.Config(
             self.api.app, log_level="warning", access_log=False, http="h11", loop="none", ws="none",
             lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s,
             ssl_certfile=tls.cert, ssl_keyfile=tls.key,
             ssl_ca_certs=tls.ca if tls.require_client_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE)
+        config.load()
+        if config.ssl is not None:  # certificates re-read when they change, as on the gRPC port
+            security.rotating_ssl_context(config.ssl, tls, require_client_cert=tls.require_client_cert)
         self._server = uvicorn.Server(config)
         # Off the main thread uvicorn installs no signal handlers: the router's owner handles signals.
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="router-http")

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import ssl
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -149,6 +152,7 @@ def test_ca_and_leaves_rotate_under_load_without_a_failed_request(rotating, tmp_
     decode = cluster.decode[0]
     generations = {id(f): f.generation for f in files_of(cluster)}
     assert len(generations) >= 4, "router (internal and public), prefill, decode: each watches its files"
+    assert https_health(cluster, ca1.cert_pem) == 200
     with Load(cluster.address, trust, OLD_KEY) as load:
         load.wait_for(4)
         # 1. Overlap: every service trusts both CAs.
@@ -177,9 +181,20 @@ def test_ca_and_leaves_rotate_under_load_without_a_failed_request(rotating, tmp_
     with channel, pytest.raises(grpc.RpcError) as info:
         list(internal_pb2_grpc.DecodeWorkerStub(channel).Decode(internal_pb2.DecodeRequest(request_id="x"), timeout=5))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    # ... and a client that trusts only the old CA no longer trusts the router.
+    # ... and a client that trusts only the old CA no longer trusts the router, on either public port.
     assert health(cluster.address, TLSConfig(ca=str(old / "ca.crt")), None) == "UNAVAILABLE"
+    assert https_health(cluster, ca2.cert_pem) == 200
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        https_health(cluster, ca1.cert_pem)
     cluster.check_integrity()
+
+
+def https_health(cluster, ca_pem: bytes) -> int:
+    """GET /health on the router's HTTPS port, trusting only `ca_pem` (the public certificate names 127.0.0.1)."""
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    with urllib.request.urlopen(f"https://127.0.0.1:{cluster.router.http_port}/health", timeout=10,
+                                context=context) as resp:
+        return resp.status
 
 
 @pytest.mark.timeout(120)
