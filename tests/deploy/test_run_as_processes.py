@@ -311,7 +311,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         context = None
         if client_tls:
             context = ssl.create_default_context(cafile=client_tls.ca)
-            context.check_hostname = False  # the certificate names the service, not 127.0.0.1
+            # The public certificate (handoff-tls-public) names 127.0.0.1: hostname checked, as a client would.
         completion = urllib.request.Request(
             f"{'https' if client_tls else 'http'}://127.0.0.1:{http_port}/v1/completions",
             data=json.dumps({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).encode(),
