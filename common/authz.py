@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 import grpc
-from prometheus_client import Counter
 
+from common.metrics import AUTHZ_DENIED as DENIED
 from common.pki import Identity, parse_spiffe_id
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,6 @@ ALLOWED_ROLES: dict[str, frozenset[str]] = {
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-DENIED = Counter("handoff_authz_denied_total", "Internal calls refused PERMISSION_DENIED by the caller's role",
-                 ["method", "caller_role"])
 
 
 def peer_identity(context) -> tuple[Identity | None, str]:
