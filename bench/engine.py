@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from common import cli
 from bench import llamacpp
 from bench.harness import (MODEL, base_parser, chat_prompt, emit, emit_load_avg, emit_machine, emit_skipped, interleave,
                            log, system_prompt)
@@ -681,7 +682,7 @@ def load_llama_cpp(figures: list[str], threads: int, n_ctx: int) -> LlamaCpp | N
 
 def main(argv: list[str] | None = None) -> None:
     p = base_parser("python -m bench.engine", __doc__, SECTIONS)
-    p.add_argument("--profile", action="store_true", help="profile one decode step at batch 1 and 32 (stderr)")
+    cli.add_switch(p, "--profile", "profile one decode step at batch 1 and 32 (stderr)")
     p.add_argument("--memory-probe", choices=("ours", "hf"), help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu",
                    help=f"cpu, or cuda[:N]: ours and HF on the GPU, sections {', '.join(GPU_SECTIONS)} only (the "

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from common import settings
+from common import cli, settings
 
 MODEL = "smollm2"
 
@@ -126,7 +126,7 @@ def system_prompt(tokenizer, topic: str, num_tokens: int) -> str:
 def base_parser(prog: str, doc: str, sections: tuple[str, ...], *, threads: int = 2,
                 threads_help: str = "torch intra-op threads (default 2)") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes, for a CI smoke run (< 2 min)")
+    cli.add_switch(p, "--quick", "small sizes, for a CI smoke run (< 2 min)")
     p.add_argument("--dtype", default=settings.default("dtype"), choices=settings.DTYPES,
                    help="auto (the default of every service): bf16 where the CPU multiplies it natively, else fp32")
     p.add_argument("--only", nargs="+", choices=sections, metavar="NAME",

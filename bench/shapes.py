@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import settings
+from common import cli, settings
 from bench import llamacpp
 from bench.engine import RunnerDecode
 from bench.harness import emit, emit_load_avg, emit_machine, emit_skipped, interleave, log, percentile
@@ -452,10 +452,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=8, help="decode steps a turn (default 8)")
     p.add_argument("--rounds", type=int, default=5, help="decode turns each system takes (default 5)")
     p.add_argument("--prefill-rounds", type=int, default=3, help="prompts each system runs a length (default 3)")
-    p.add_argument("--lazy-prefill", action="store_true",
-                   help="also prefill as a decode worker under --dense-weights lazy (where both fit in memory)")
+    cli.add_switch(p, "--lazy-prefill", "also prefill as a decode worker under --dense-weights lazy (where both fit in memory)")
     p.add_argument("--child-timeout-s", type=float, default=3600)
-    p.add_argument("--quick", action="store_true", help="the 1B Q4_K_M file, few samples")
+    cli.add_switch(p, "--quick", "the 1B Q4_K_M file, few samples")
     p.add_argument("--child", nargs=2, metavar=("SECTION", "FILE"), help=argparse.SUPPRESS)
     p.add_argument("--alone", choices=("handoff", "llama.cpp"), help=argparse.SUPPRESS)
     p.add_argument("--who", choices=("handoff", "llama.cpp"), help=argparse.SUPPRESS)

@@ -158,10 +158,12 @@ def reported(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status `exc` reaches the caller as, logged (with the traceback when it is a bug). Call it
     in the except block that caught `exc`."""
     code, message = status_for(exc)
+    # A traced call's failure (common/tracing.fail) names its trace, to find the spans from the log line.
+    trace = f" (trace {exc.trace_id})" if getattr(exc, "trace_id", "") else ""
     if code == grpc.StatusCode.INTERNAL:
-        log.exception("%s failed", method)
+        log.exception("%s failed%s", method, trace)
     else:
-        log.info("%s: %s: %s", method, code.name, message)
+        log.info("%s: %s: %s%s", method, code.name, message, trace)
     return code, message
 
 

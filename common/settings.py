@@ -22,6 +22,7 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 PREFILL_MODES = ("disaggregated", "colocated", "conditional")
 ROUTINGS = ("cache_aware", "least_loaded")
 DENSE_WEIGHTS = ("auto", "keep", "lazy")
+GENERATION_CONFIGS = ("auto", "none")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 def _level(text: str) -> str:
@@ -154,7 +155,12 @@ SETTINGS: tuple[Setting, ...] = (
        (ROUTER, CLUSTER), int),
     _s("lease_ttl_s", 10.0, "KV reservation lease: a dead router's reservations come back within this",
        (ROUTER, CLUSTER), float),
-    _s("default_max_tokens", 256, "max_tokens of a request that sets none", (ROUTER, CLUSTER), int),
+    _s("generation_config", "auto", "auto: the sampling settings the model's files carry (an HF folder's "
+       "generation_config.json, a GGUF's general.sampling.*) fill a request's unset temperature, top_p, top_k, "
+       "min_p, repetition_penalty and max_tokens, as vLLM's --generation-config auto does; none: handoff's own "
+       "defaults (protos/handoff.proto)", (ROUTER, CLUSTER), choices=GENERATION_CONFIGS),
+    _s("default_max_tokens", 256, "max_tokens of a request that sets none (and whose model files set none)",
+       (ROUTER, CLUSTER), int),
     _s("max_request_s", 600.0, "the deadline of a request whose client sets none", (ROUTER, CLUSTER), float),
     _s("max_attempts", 3, "tries of one request across workers (the retry budget of failover)",
        (ROUTER, CLUSTER), int),
@@ -200,6 +206,26 @@ ENGINE_ENVIRONMENT = (
     ("HANDOFF_NATIVE_CACHE", "where compiled kernel libraries are kept (default ~/.cache/handoff/native)"),
     ("HANDOFF_HUGE_PAGES", "0 = 4 KiB pages for the packed weights and the KV pool (default: transparent huge "
      "pages where the kernel offers them)"),
+)
+
+# OpenTelemetry's standard variables that turn tracing on and shape it, read by common/tracing.py and the
+# OpenTelemetry SDK (docs/operations.md, "Tracing"). Not HANDOFF_ settings: the names and meanings are the
+# specification's, so a collector's usual configuration applies.
+TRACING_ENVIRONMENT = (
+    ("OTEL_TRACES_EXPORTER", "`otlp` (and/or `console`) turns tracing on, `none` off; unset = on only when an "
+     "OTLP endpoint is set (the specification's default is otlp: handoff's is off)"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "the collector's OTLP/gRPC address (`http://host:4317`; http = plaintext); "
+     "setting it alone turns tracing on. `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` wins over it"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "`grpc` only (the default); another value stops the service at start. "
+     "Also `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`"),
+    ("OTEL_SERVICE_NAME", "the service name spans carry; unset = handoff-router, handoff-prefill, handoff-decode "
+     "or handoff-cluster"),
+    ("OTEL_SDK_DISABLED", "`true` = tracing off whatever else is set"),
+    ("OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG), OTEL_BSP_*, OTEL_EXPORTER_OTLP_(TRACES_)HEADERS / "
+     "_CERTIFICATE / _CLIENT_KEY / _CLIENT_CERTIFICATE / _COMPRESSION / _TIMEOUT / _INSECURE",
+     "as the OpenTelemetry SDK reads them: resource attributes, sampling (default parentbased_always_on: a "
+     "caller's unsampled trace stays unsampled), the batch exporter's queue and delay, the exporter's "
+     "headers, TLS, compression and timeout"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -281,6 +307,10 @@ def reference() -> str:
               "decode, cluster): for diagnosis and images, not tuning:", "",
               "| environment | what it does |", "| --- | --- |"]
     lines += [f"| `{name}` | {what} |" for name, what in ENGINE_ENVIRONMENT]
+    lines += ["", "Tracing, OpenTelemetry's standard variables, read by every service (docs/operations.md, "
+              "\"Tracing\"); with none of them set no service traces:", "",
+              "| environment | what it does |", "| --- | --- |"]
+    lines += [f"| `{name}` | {what} |" for name, what in TRACING_ENVIRONMENT]
     lines += ["", "`python -m router.cluster` also takes `--prefill` and `--decode` (how many workers of each "
               "pool) and the request flags of `python -m router.client` (`--prompt`, `--message`, sampling) "
               "to answer one request and exit.", ""]

@@ -9,7 +9,7 @@ Keys, under the prefix (<role> = prefill | decode):
     worker:<role>:<id>      HASH of WorkerInfo fields, expiring with the registration
     leases:<id>             ZSET request_id -> lease expiry (ms); decode workers
     lease_blocks:<id>       HASH request_id -> "<num_blocks>:<worker epoch>"
-    request:<id>            HASH state, history, t_<state>, counts, workers, router, error
+    request:<id>            HASH state, history, t_<state>, counts, workers, router, error, trace_id (traced)
     prefixes:<role>:<id>    SET hex prefix hashes of the prompt chunks the worker's cache holds (expires
                             with the registration)
     routers                 ZSET router_id -> registration expiry (ms)
@@ -433,7 +433,8 @@ class StateStore:
         self._password = kwargs.get("password")
         self.username = kwargs.get("username")
         where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-        self.url = f"redis://{where}/{kwargs.get('db', 0)}"  # never holds the password
+        scheme = "rediss" if issubclass(client.connection_pool.connection_class, redis.SSLConnection) else "redis"
+        self.url = f"{scheme}://{where}/{kwargs.get('db', 0)}"  # never holds the password; rediss = TLS
         # redis-py runs these by EVALSHA and re-loads them on NOSCRIPT, e.g. after a Redis restart.
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)

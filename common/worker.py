@@ -14,7 +14,7 @@ from typing import Callable
 import grpc
 import torch
 
-from common import authz, cli, grpc_common, metrics, security, settings
+from common import authz, cli, grpc_common, metrics, security, settings, tracing
 from common.engine.engine import Engine
 from common.grpc_common import ServiceError
 from common.engine.kv_cache import KVCache
@@ -474,6 +474,10 @@ class WorkerBase:
 def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     """`python -m prefill_svc` / `decode_svc`: serve until SIGTERM/SIGINT, then drain (Kubernetes
     gives terminationGracePeriodSeconds)."""
+    try:
+        tracing.configure(f"handoff-{config.role}")
+    except tracing.TracingConfigError as exc:
+        raise SystemExit(f"{config.role} worker: {exc}") from None
     client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
     if embedded:
         announce_embedded(embedded, f"{config.role} worker")
@@ -499,5 +503,6 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
         log.info("%s: draining", "drain requested" if worker.drain_requested.is_set() else "signal received")
         worker.stop()
     finally:
+        tracing.close()
         if embedded:
             embedded.stop()

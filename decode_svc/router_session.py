@@ -16,12 +16,13 @@ import time
 
 import grpc
 
-from common import metrics
+from common import metrics, tracing
 from common.engine.engine import TokenEvent
 from common.engine.output import FinishReason
 from common.grpc_common import ServiceError
 from common.pb_convert import FINISH_TO_PB, logprobs_to_pb
 from decode_svc.inbox import seq_key
+from decode_svc.spans import DecodeSpans
 from protos import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,12 @@ _IDLE_FLUSH_S = 0.02  # events that come outside a step (failures, KV waits) go 
 class PendingEvent:
     """A sequence's events not yet sent, merged into one DecodeEvent."""
 
-    def __init__(self, request_id: str, kv_wait_s: float = 0.0):
+    def __init__(self, request_id: str, kv_wait_s: float = 0.0, spans: DecodeSpans | None = None):
         self.request_id = request_id
         self.kv_wait_s = kv_wait_s
+        self.spans = spans  # its claim and decode spans (decode sessions)
         self.t_start = time.perf_counter()
+        self.num_tokens = 0  # sent so far
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.finish: FinishReason | None = None
@@ -65,6 +68,7 @@ class PendingEvent:
             self._first = False
         if self.finish is not None:
             msg.finish_reason = FINISH_TO_PB[self.finish]
+        self.num_tokens += len(self.token_ids)
         self.token_ids, self.logprobs = [], []
         return msg
 
@@ -108,19 +112,23 @@ class DecodeSession:
     def _start(self, request: internal_pb2.DecodeRequest) -> None:
         w = self.w
         key = seq_key(request.request_id, request.attempt)
+        # Many requests share this stream: each carries its own trace context.
+        spans = DecodeSpans(w, request, tracing.from_traceparent(request.traceparent))
         guard = contextlib.ExitStack()
         try:
             guard.enter_context(w.serving("Decode", key))
             job = w.check_decode(request)
         except (ServiceError, ValueError) as exc:
             guard.close()
+            spans.refused(exc)
             self._fail_now(request.request_id, request.attempt, exc)
             return
         with self._lock:
-            self._live[key] = (PendingEvent(job.request_id), request.attempt, guard)
+            self._live[key] = (PendingEvent(job.request_id, spans=spans), request.attempt, guard)
         sink = lambda ev: self._out.put((key, ev))  # noqa: E731 - engine thread: a put, nothing more
 
         def submit(parked: bool) -> None:
+            spans.decoding(job)
             w.engine.submit(key, job.prompt, job.params, sink, seed=job.seed, output_ids=job.output, parked=parked)
             if key not in self._live:  # the stream closed meanwhile: nobody would read its tokens
                 w.engine.cancel(key)
@@ -134,8 +142,10 @@ class DecodeSession:
             try:
                 w.check_kv(job, kv_len, job.kv_wait_s)
             except ServiceError as exc:
+                spans.refused(exc)
                 self._out.put((key, exc))
                 return
+            spans.claimed()
             entry = self._live.get(key)
             if entry is not None:
                 entry[0].kv_wait_s = time.perf_counter() - t0
@@ -163,10 +173,11 @@ class DecodeSession:
         """The stream ended: every request still on it is cancelled, its blocks freed, its guard let go."""
         with self._lock:
             live, self._live = self._live, {}
-        for key, (_, _, guard) in live.items():
+        for key, (pending, _, guard) in live.items():
             self.w.inbox.cancel(key)
             self.w.engine.cancel(key)
             guard.close()
+            pending.spans.ended(pending.num_tokens, FinishReason.CANCELLED)
         self._out.put(_END)
 
     # ---- events out (the RPC's thread)
@@ -208,6 +219,7 @@ class DecodeSession:
         if failed is None:
             ready.setdefault(key, None)
             return
+        pending.spans.ended(pending.num_tokens, pending.finish, failed.message)
         self._end(key)
         self.w.engine.cancel(key)  # a KV check that failed may leave the push parked: free it
         ready[key] = internal_pb2.SessionEvent(request_id=pending.request_id, attempt=attempt,
@@ -231,3 +243,4 @@ class DecodeSession:
             entry = self._live.pop(key, None)
         if entry is not None:
             entry[2].close()
+            entry[0].spans.ended(entry[0].num_tokens, entry[0].finish)  # a no-op after a failure

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from common import grpc_common, metrics, security
+from common import grpc_common, metrics, security, tracing
 from common.engine.engine import EngineConfig
 from common.grpc_common import ServiceError
 from common.engine.output import FinishReason
@@ -64,10 +64,18 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
 
     def Prefill(self, request: internal_pb2.PrefillRequest, context):
         key = f"{request.request_id}#{request.target.attempt}"
-        with self.w.serving("Prefill", key):
-            yield from self._prefill(request, key, context)
+        # The router's attempt span is the parent (traceparent metadata); the KV push is a child.
+        span = tracing.start("prefill", tracing.extract(context.invocation_metadata()), kind=tracing.SERVER,
+                             attributes={"handoff.request_id": request.request_id,
+                                         "handoff.attempt": request.target.attempt,
+                                         "handoff.worker_id": self.w.config.worker_id,
+                                         "handoff.decode_worker": request.target.worker_id,
+                                         "handoff.prompt_tokens": len(request.prompt_ids),
+                                         "handoff.resumed_tokens": len(request.output_ids)})
+        with tracing.ending(span), self.w.serving("Prefill", key):
+            yield from self._prefill(request, key, context, span)
 
-    def _prefill(self, request, key: str, context):
+    def _prefill(self, request, key: str, context, span=tracing.INVALID_SPAN):
         w = self.w
         rid = check_request_id(request.request_id)
         cfg = w.model.config
@@ -85,7 +93,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
         # is ready with the first token, so it goes after it, as one piece.
         push = None
         if w.stream_kv and len(ids) > w.config.prefill_chunk_tokens:
-            push = StreamedPush(w, rid, target, context, ids, on_failure=events.put).start()
+            push = StreamedPush(w, rid, target, context, ids, on_failure=events.put, trace=span).start()
         try:
             context.add_callback(lambda: w.engine.cancel(key))
             w.engine.submit(key, ids, params, events.put, seed=seed, output_ids=resumed,
@@ -120,12 +128,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
                 if push is not None:
                     push.first_token_sent()
                 t_first = time.perf_counter()
+                span.add_event("first_token", {"handoff.finished": finished})
+                span.set_attributes({"handoff.cached_tokens": ev.cached_tokens, "handoff.prefill_s": prefill_s})
                 yield internal_pb2.PrefillEvent(first_token=first)
                 if finished:
                     return
             if context.is_active():
                 done = (push.result() if push is not None else
-                        push_after(w, rid, ev.kv, ev.block_hashes, target, context, t_first))
+                        push_after(w, rid, ev.kv, ev.block_hashes, target, context, t_first, trace=span))
                 yield internal_pb2.PrefillEvent(transfer_done=done)
         finally:
             if push is not None:

@@ -3,7 +3,7 @@ import logging
 import signal
 import threading
 
-from common import cli, grpc_common, metrics, security
+from common import cli, grpc_common, metrics, security, tracing
 from common.redis_server import announce_embedded, connect
 from common.state import StateStore
 from router.config import RouterConfig
@@ -14,6 +14,10 @@ log = logging.getLogger("router")
 
 def main(argv=None) -> None:
     config = RouterConfig.from_args(argv)
+    try:
+        tracing.configure("handoff-router")
+    except tracing.TracingConfigError as exc:
+        raise SystemExit(f"router: {exc}") from None
     client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
     if embedded:
         announce_embedded(embedded, "router")
@@ -29,6 +33,7 @@ def main(argv=None) -> None:
     stop.wait()
     log.info("signal received: finishing in-flight streams")
     server.stop(config.drain_timeout_s)
+    tracing.close()
     if embedded:
         embedded.stop()
 

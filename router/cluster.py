@@ -18,7 +18,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from common import cli, pki, redis_acl, security, settings
+from common import cli, pki, redis_acl, security, settings, tracing
 from common.engine.model import Llama
 from common.engine.model_files import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
@@ -158,6 +158,25 @@ def write_operator_env(cluster: Cluster) -> Path:
     return path
 
 
+# The one-shot answer's sampling when neither the command nor the model's files set any: a 135M model at
+# temperature 1.0 often drifts into word salad after a sentence. SmolLM2's model card samples with these.
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def demo_sampling(args: argparse.Namespace, file_defaults: dict) -> str:
+    """Fill DEMO_SAMPLING into `args` where it applies; what the answer samples with, in words."""
+    if any(getattr(args, name) is not None for name in _SAMPLING_FIELDS):
+        return "as the command line sets it"
+    if any(name in file_defaults for name in _SAMPLING_FIELDS):
+        return "the model's own settings (" + ", ".join(f"{k} {v}" for k, v in file_defaults.items()) + ")"
+    for name, value in DEMO_SAMPLING.items():
+        setattr(args, name, value)
+    return (", ".join(f"{k} {v}" for k, v in DEMO_SAMPLING.items()) + " (this command's demo default: the "
+            "model's files set none; --temperature 1 --top-p 1 samples the model's raw distribution, "
+            "--temperature 0 is greedy)")
+
+
 def parse_args(argv=None) -> tuple[argparse.Namespace, RouterConfig, WorkerConfig]:
     """The command line (and HANDOFF_* environment) as the cluster's router and worker configs."""
     from router import client
@@ -184,6 +203,10 @@ def main(argv=None) -> None:
     from router import client
 
     args, router, worker = parse_args(argv)
+    try:
+        tracing.configure("handoff-cluster")
+    except tracing.TracingConfigError as exc:
+        raise SystemExit(f"router.cluster: {exc}") from None
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, device=args.device,
                       kv_memory_gib=args.kv_memory_gib, threads=args.threads, router=router, worker=worker,
@@ -205,6 +228,7 @@ def main(argv=None) -> None:
             if args.prompt and not args.message:
                 # A prompt from the command line is a user turn of a chat, rendered by the model's template.
                 args.message, args.prompt = [f"user:{args.prompt}"], None
+            print(f"sampling: {demo_sampling(args, cluster.router.sampling_defaults)}", file=sys.stderr)
             print_summary = client.print_summary
             print_summary(client.stream(cluster.address, client.build_request(args), args.timeout_s))
         else:
@@ -216,6 +240,7 @@ def main(argv=None) -> None:
             stop.wait()
     finally:
         cluster.stop()
+        tracing.close()
 
 
 if __name__ == "__main__":

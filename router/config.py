@@ -22,6 +22,7 @@ class RouterConfig:
     # name (common/engine/model_files.served_name: `smollm2`, a .gguf file's stem, an HF folder's name).
     served_model_name: str = default("served_model_name")
     metrics_port: int = 0
+    generation_config: str = default("generation_config")  # auto: the model files' sampling settings fill unset fields
     default_max_tokens: int = default("default_max_tokens")
     max_messages: int = default("max_messages")
     max_request_s: float = default("max_request_s")
@@ -58,6 +59,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be cache_aware or least_loaded, got {self.routing!r}")
+        if self.generation_config not in settings.GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be auto or none, got {self.generation_config!r}")
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {self.prefill_mode!r}")
         if self.remote_prefill_min_tokens < 1:

@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from common import metrics, security
+from common import metrics, security, tracing
 from common.engine.model_files import served_name
 from common.engine.sampling import MAX_SEED, derive_seed
 from common.grpc_common import PortInUse, ServiceError
@@ -74,7 +74,8 @@ class Generations:
     """The GenerateCalls of one HTTP request (one per choice), each a task on the loop. Their messages,
     failures and ends arrive in order on one asyncio queue as (choice, GenerateResponse | Exception | _END)."""
 
-    def __init__(self, router: Router, reqs: list[ValidRequest], timeout_s: float, deadline: float, slots: _Slots):
+    def __init__(self, router: Router, reqs: list[ValidRequest], timeout_s: float, deadline: float, slots: _Slots,
+                 trace_parent=None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.timeout_s = timeout_s
         self.deadline = deadline  # time.monotonic() when the request must be over
@@ -84,7 +85,8 @@ class Generations:
         self._slots = slots
         self._tasks = []
         for index, req in enumerate(reqs):
-            task = asyncio.create_task(GenerateCall(router, req, deadline).run(functools.partial(self._put, index)))
+            task = asyncio.create_task(GenerateCall(router, req, deadline, trace_parent).run(
+                functools.partial(self._put, index)))
             # A callback, not a finally: a task cancelled before it started runs none of its code.
             task.add_done_callback(functools.partial(self._ended, index))
             self._tasks.append(task)
@@ -175,7 +177,7 @@ class OpenAIApp:
             deadline = time.monotonic() + timeout_s
             response_id = request.headers.get(REQUEST_ID_HEADER) or \
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            gens = await self._start(parsed, response_id, timeout_s, deadline)
+            gens = await self._start(request, parsed, response_id, timeout_s, deadline)
         except APIError as exc:
             return self._error(request, exc)
         except Exception as exc:  # noqa: BLE001 - a bug answers 500, never a dropped connection
@@ -201,7 +203,7 @@ class OpenAIApp:
             if not streaming:  # after a failure, or this task cancelled (the server stopping): stop what runs
                 gens.cancel()
 
-    async def _start(self, parsed: ParsedRequest, request_id: str, timeout_s: float,
+    async def _start(self, request: Request, parsed: ParsedRequest, request_id: str, timeout_s: float,
                      deadline: float) -> Generations:
         """Validate (on the blocking pool: chat templates and tokenization are CPU work) and start every choice."""
         n = parsed.n
@@ -219,8 +221,9 @@ class OpenAIApp:
                 valid = await self.router.validate(pb)
             except ValueError as exc:
                 raise APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            # A caller's traceparent header makes each choice's generation a part of its trace.
             gens = Generations(self.router, _choices(valid, n, seeded=pb.HasField("seed")), timeout_s, deadline,
-                               self.slots)
+                               self.slots, tracing.extract(request.headers))
             started = True
             return gens
         finally:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common import metrics
+from common import metrics, tracing
 from common.engine.prefix import PrefixHasher
 from common.grpc_common import ServiceError
 from common.state import StateStore, WorkerInfo
@@ -69,45 +69,57 @@ class WorkerPicker:
         return workers
 
     async def reserve_decode(self, request_id: str, num_tokens: int, deadline: float,
-                             exclude: Excluded = frozenset()) -> Lease:
-        """Lease KV blocks for num_tokens on the decode worker with the most room; waits (bounded) for room."""
+                             exclude: Excluded = frozenset(), trace=tracing.INVALID_SPAN) -> Lease:
+        """Lease KV blocks for num_tokens on the decode worker with the most room; waits (bounded) for room.
+        The wait, if there is one, is a `queue` span under `trace` (the request's reserve span)."""
         if not self._queue_slots.acquire(blocking=False):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                "too many requests are already waiting for decode capacity; retry later")
         try:
             return await self._reserve(request_id, num_tokens,
-                                       min(deadline, time.monotonic() + self.queue_timeout_s), exclude)
+                                       min(deadline, time.monotonic() + self.queue_timeout_s), exclude, trace)
         finally:
             self._queue_slots.release()
 
-    async def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: Excluded) -> Lease:
+    async def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: Excluded, trace) -> Lease:
         delay = 0.005
         largest = 0
+        queue = None  # the `queue` span: from the first look that found no room to the end of the wait
+        num_looks = 0
 
         def undo(found: tuple[Lease | None, list[WorkerInfo]]) -> None:
             # Reserved for a request cancelled meanwhile: nobody will hold or release this lease.
             if found[0] is not None:
                 self.state.release(found[0].worker.worker_id, request_id)
 
-        while True:
-            lease, workers = await self.blocking.run(self._try_reserve, request_id, num_tokens, exclude, undo=undo)
-            if lease is not None:
-                return lease
-            if workers and all(-(-num_tokens // w.block_size) > w.total_blocks for w in workers):
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"the request needs KV for {num_tokens} tokens (prompt + max_tokens), more "
-                                   f"than any decode worker's whole pool holds; lower max_tokens")
-            largest = max([w.available_blocks or 0 for w in workers] + [0])
-            if time.monotonic() >= until:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        if not workers:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("decode", exclude))
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
-                           f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
-                           f"retry later or lower max_tokens")
+        try:
+            while True:
+                lease, workers = await self.blocking.run(self._try_reserve, request_id, num_tokens, exclude,
+                                                         undo=undo)
+                num_looks += 1
+                if lease is not None:
+                    return lease
+                if workers and all(-(-num_tokens // w.block_size) > w.total_blocks for w in workers):
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"the request needs KV for {num_tokens} tokens (prompt + max_tokens), more "
+                                       f"than any decode worker's whole pool holds; lower max_tokens")
+                largest = max([w.available_blocks or 0 for w in workers] + [0])
+                if time.monotonic() >= until:
+                    break
+                if queue is None:
+                    queue = tracing.start("queue", trace)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.1)
+            if not workers:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._none_left("decode", exclude))
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
+                               f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
+                               f"retry later or lower max_tokens")
+        finally:
+            if queue is not None:  # how it ended is the reserve span's to say
+                queue.set_attribute("handoff.looks", num_looks)
+                queue.end()
 
     def _try_reserve(self, request_id: str, num_tokens: int,
                      exclude: Excluded) -> tuple[Lease | None, list[WorkerInfo]]:

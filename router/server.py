@@ -17,6 +17,7 @@ import threading
 import uuid
 
 from common import grpc_aio_server, grpc_common, security
+from common.engine.generation_config import sampling_defaults
 from common.engine.model_files import resolve_model_path
 from common.state import StateStore, StateUnavailable
 from common.engine.tokenizer import load_tokenizer
@@ -50,8 +51,12 @@ class RouterServer:
         cfg = self.config
         path = resolve_model_path(self.config.model)
         # The router needs the tokenizer and the model's shape, never the weights themselves.
+        self.sampling_defaults = sampling_defaults(path) if cfg.generation_config == "auto" else {}
+        if self.sampling_defaults:
+            log.info("request defaults from the model's files (--generation-config auto): %s",
+                     ", ".join(f"{k} {v}" for k, v in self.sampling_defaults.items()))
         self.router = Router(self.config, self.state, load_tokenizer(path), read_model_config(path),
-                             weights_id_of(path), router_id=self.router_id)
+                             weights_id_of(path), router_id=self.router_id, sampling_defaults=self.sampling_defaults)
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
         self._loop_thread.start()

@@ -24,13 +24,19 @@ class ValidRequest:
     seed: int
 
 
+# A request's sampling fields when neither it nor the model's files set them (protos/handoff.proto).
+BUILTIN_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 class RequestValidator:
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, *, default_max_tokens: int,
-                 max_messages: int):
+                 max_messages: int, sampling_defaults: dict | None = None):
         self.tokenizer = tokenizer
         self.context_len = model_config.max_position
         self.vocab_size = model_config.vocab_size
-        self.default_max_tokens = default_max_tokens
+        # What a request leaves unset: the model files' settings (common/engine/generation_config.py), else ours.
+        self.defaults = {**BUILTIN_DEFAULTS, "max_tokens": default_max_tokens, **(sampling_defaults or {})}
         self.max_messages = max_messages
 
     def validate(self, r: handoff_pb2.GenerateRequest) -> ValidRequest:
@@ -43,7 +49,7 @@ class RequestValidator:
         if room < 1:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {self.context_len} "
                              f"tokens and at least one must be left to generate")
-        max_tokens = r.max_tokens if r.HasField("max_tokens") else min(self.default_max_tokens, room)
+        max_tokens = r.max_tokens if r.HasField("max_tokens") else min(self.defaults["max_tokens"], room)
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if max_tokens > room:
@@ -52,19 +58,19 @@ class RequestValidator:
         if r.HasField("seed") and r.seed > MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {r.seed}")
 
-        def opt(name, default):
-            return getattr(r, name) if r.HasField(name) else default
+        def opt(name):
+            return getattr(r, name) if r.HasField(name) else self.defaults[name]
 
         if r.HasField("top_logprobs") and not r.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
 
         params = SamplingParams(
-            temperature=opt("temperature", 1.0), top_k=opt("top_k", 0), top_p=opt("top_p", 1.0),
-            min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
-            presence_penalty=opt("presence_penalty", 0.0), frequency_penalty=opt("frequency_penalty", 0.0),
+            temperature=opt("temperature"), top_k=opt("top_k"), top_p=opt("top_p"),
+            min_p=opt("min_p"), repetition_penalty=opt("repetition_penalty"),
+            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
             seed=r.seed if r.HasField("seed") else None, max_tokens=max_tokens, stop=tuple(r.stop),
             stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos,
-            logprobs=opt("top_logprobs", 0) if r.logprobs else None)
+            logprobs=(r.top_logprobs if r.HasField("top_logprobs") else 0) if r.logprobs else None)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             if not math.isfinite(getattr(params, name)):

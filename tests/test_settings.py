@@ -135,6 +135,18 @@ def test_every_environment_variable_the_code_reads_is_in_the_reference():
     assert read <= known, f"read by the code but not in docs/configuration.md: {sorted(read - known)}"
 
 
+def test_every_opentelemetry_variable_the_code_reads_is_in_the_reference():
+    """The standard OTEL_* variables are not settings, but the reference lists those the code reads itself."""
+    read = set()
+    for folder in ("common", "router", "prefill_svc", "decode_svc"):
+        for path in (ROOT / folder).rglob("*.py"):
+            read |= set(re.findall(r"[\"'](OTEL_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert "OTEL_TRACES_EXPORTER" in read  # the pattern finds them
+    reference = settings.reference()
+    missing = sorted(name for name in read if f"`{name}" not in reference)
+    assert not missing, f"read by the code but not in docs/configuration.md (TRACING_ENVIRONMENT): {missing}"
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_variable_a_deployment_sets_is_a_setting_of_its_service(overlay):
     objs = render(overlay)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from common import settings
+from common import cli, settings
 from bench.harness import emit, emit_load_avg, emit_skipped, log
 from router.config import RouterConfig
 from bench.loadgen.cluster import PinnedCluster, modes, router_prefill_modes
@@ -285,7 +285,7 @@ def _interrupt(*_) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI smoke: disaggregated, chat, 2 rates, 4 requests each")
+    cli.add_switch(p, "--quick", "CI smoke: disaggregated, chat, 2 rates, 4 requests each")
     p.add_argument("--modes", nargs="+", choices=list(modes(0)), help="default: all (quick: disaggregated)")
     p.add_argument("--mixes", nargs="+", choices=list(MIXES), help="default: all (quick: chat)")
     p.add_argument("--rates", nargs="+", type=float, help="req/s for every mix; default: multiples of 1 / "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common import cli
 from bench.zoo.big import BIG_SHAPES, big_all
 from bench.zoo.check import check
 from bench.zoo.small import build
@@ -13,12 +14,12 @@ from bench.zoo.specs import ARCHS
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.zoo", description=__doc__)
-    p.add_argument("--build", action="store_true", help="build the small architectures")
-    p.add_argument("--check", action="store_true", help="build the small architectures and report on their files")
+    cli.add_switch(p, "--build", "build the small architectures")
+    cli.add_switch(p, "--check", "build the small architectures and report on their files")
     p.add_argument("--arch", action="append", choices=ARCHS, help="only this architecture (repeatable)")
     p.add_argument("--big", action="append", choices=tuple(BIG_SHAPES), help="build this benchmark shape (repeatable)")
     p.add_argument("--qtypes", default="Q4_K_M,Q8_0", help="the benchmark shapes' types, comma-separated")
-    p.add_argument("--keep-f16", action="store_true", help="keep the benchmark shapes' F16 files")
+    cli.add_switch(p, "--keep-f16", "keep the benchmark shapes' F16 files")
     args = p.parse_args(argv)
     if not (args.build or args.check or args.big):
         p.error("nothing to do: give --build, --check or --big SHAPE")

@@ -11,7 +11,8 @@ Deployments describe them — same command, args and environment, with ConfigMap
 downward-API references resolved, Secret volumes mounted and `$(VAR)` expanded as the kubelet
 does — against a real local Redis, and send a Generate through the router and a completion
 through its HTTP port: once as the cpu overlay stands, once with the TLS and API-key components
-(deploy/k8s/components) added.
+(deploy/k8s/components) added, once with the model from a claim and Redis reached over TLS
+(model-pvc, external-redis).
 
 This module holds the shared parts (rendering, lookups); tests/deploy/test_*.py hold one subject each.
 """
@@ -46,7 +47,28 @@ DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"  # BuildKit's per-Dockerfile i
 COMPOSED = {"cpu+tls": ("cpu", ("tls", "api-keys"))}
 
 
-OVERLAYS = ("cpu", "gpu", *COMPOSED)
+# Your own model, Redis and scraping: the model-pvc, external-redis and servicemonitor components, as a
+# user copies the overlay (docs/deploy.md, "Deploy your own").
+OWN = "example-own"
+
+
+OVERLAYS = ("cpu", "gpu", OWN, *COMPOSED)
+
+
+# Kinds from CustomResourceDefinitions, which the Kubernetes schemas do not cover; each has its own
+# tests (test_servicemonitor.py) instead.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+MODELS_CLAIM, MODELS_PATH = "handoff-models", "/models"  # components/model-pvc
+
+
+REDIS_TLS_SECRET = "handoff-redis-tls"  # components/external-redis: the CA of the operator's Redis
+
+
+def redis_secret(role: str) -> str:
+    """The Secret holding the password (key `password`) of `role`'s Redis ACL user, bundled Redis or not."""
+    return f"handoff-redis-{role}"
 
 
 TLS_SECRET, API_KEYS_SECRET = "handoff-tls", "handoff-api-keys"  # TLS: handoff-tls-<role>, handoff-tls-public
@@ -148,6 +170,11 @@ def render(overlay: str) -> list[dict]:
         else:
             _rendered[overlay] = kustomize_build(DEPLOY / "k8s" / "overlays" / overlay)
     return copy.deepcopy(_rendered[overlay])
+
+
+def bundled_redis(objs: list[dict]) -> bool:
+    """Whether the rendered objects run their own Redis (not the external-redis component)."""
+    return any(o["kind"] == "Deployment" and o["metadata"]["labels"].get(COMPONENT) == "redis" for o in objs)
 
 
 def tls_on(ctr: dict) -> bool:

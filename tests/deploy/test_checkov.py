@@ -16,6 +16,7 @@ from tests.deploy.manifests import (
     CHECKOV_SKIPS,
     CHECKOV_VENV,
     CHECKOV_VERSION,
+    DEPLOY,
     DOCKERFILE,
     OVERLAYS,
     render,
@@ -44,6 +45,9 @@ def checkov() -> Path:
     return exe
 
 
+MODEL_LOADER = DEPLOY / "k8s" / "components" / "model-pvc" / "loader.yaml"
+
+
 # A pod that breaks most policies: the scan must flag it, or it is not scanning.
 CONTROL_POD = {
     "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "control", "namespace": "control"},
@@ -57,6 +61,7 @@ def test_policy_scan_with_checkov(tmp_path):
     scan_dir.mkdir()
     for overlay in OVERLAYS:
         (scan_dir / f"{overlay}.yaml").write_text(yaml.safe_dump_all(render(overlay), sort_keys=False))
+    shutil.copy(MODEL_LOADER, scan_dir / "model-loader.yaml")  # applied by hand, beside the overlays
     (scan_dir / "control.yaml").write_text(yaml.safe_dump(CONTROL_POD))
     shutil.copy(DOCKERFILE, scan_dir / "Dockerfile")
     proc = subprocess.run(

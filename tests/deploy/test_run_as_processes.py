@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from secrets import token_urlsafe
 from urllib.parse import urlparse, urlunparse
 
 import grpc
@@ -22,9 +23,13 @@ from common.ports import free_port
 from tests.deploy.manifests import (
     API_KEYS_SECRET,
     COMPOSED,
+    MODELS_CLAIM,
+    OWN,
     POOLS,
+    REDIS_TLS_SECRET,
     ROOT,
     TLS_SECRET,
+    bundled_redis,
     compose,
     container,
     kustomize_build,
@@ -33,6 +38,7 @@ from tests.deploy.manifests import (
     one,
     parse_quantity,
     pod_spec,
+    redis_secret,
     render,
 )
 
@@ -40,9 +46,11 @@ from tests.deploy.manifests import (
 class Resolver:
     """Turns a rendered container into the argv and environment the kubelet would give it."""
 
-    def __init__(self, objs: list[dict], pod_ip: str = "127.0.0.1", rewrite=lambda value: value) -> None:
+    def __init__(self, objs: list[dict], pod_ip: str = "127.0.0.1", rewrite=lambda value: value,
+                 secrets: dict[str, dict[str, str]] | None = None) -> None:
         """rewrite(value) is applied to every ConfigMap value and literal env value (to move
-        ports and the Redis address onto this machine) before any $(VAR) expansion."""
+        ports and the Redis address onto this machine) before any $(VAR) expansion. `secrets`
+        (name -> key -> value): those the operator creates beside the rendered ones."""
         self.rewrite = rewrite
         self.config = {o["metadata"]["name"]: {k: rewrite(v) for k, v in o.get("data", {}).items()}
                        for o in of_kind(objs, "ConfigMap")}
@@ -50,6 +58,7 @@ class Resolver:
                         for o in of_kind(objs, "Secret")}
         for o in of_kind(objs, "Secret"):
             self.secrets[o["metadata"]["name"]].update(o.get("stringData", {}))
+        self.secrets.update(secrets or {})
         self.pod_ip = pod_ip
 
     def env(self, deployment: dict, ctr: dict) -> dict[str, str]:
@@ -87,12 +96,19 @@ class Resolver:
     def argv(self, ctr: dict, env: dict[str, str]) -> list[str]:
         return [expand(a, env) for a in ctr.get("command", []) + ctr.get("args", [])]
 
-    def mount_secrets(self, deployment: dict, ctr: dict, root: Path) -> dict[str, Path]:
+    def mount_volumes(self, deployment: dict, ctr: dict, root: Path,
+                      claims: dict[str, Path] | None = None) -> dict[str, Path]:
         """The container's Secret volumes written under `root`, one file per key with the volume's
-        defaultMode, as the kubelet mounts them; returns mountPath -> local folder."""
+        defaultMode, as the kubelet mounts them, and its PersistentVolumeClaims as the local folders
+        `claims` names; returns mountPath -> local folder."""
         volumes = {v["name"]: v for v in pod_spec(deployment).get("volumes", [])}
         mounted = {}
         for mount in ctr.get("volumeMounts", []):
+            claim = volumes[mount["name"]].get("persistentVolumeClaim")
+            if claim is not None:
+                assert claim["claimName"] in (claims or {}), f"{ctr['name']}: no local folder for claim {claim}"
+                mounted[mount["mountPath"].rstrip("/")] = claims[claim["claimName"]]
+                continue
             source = volumes[mount["name"]].get("secret")
             if source is None:
                 continue
@@ -134,16 +150,35 @@ def redis_users_of(objs: list[dict], deployment: dict, root: Path) -> dict[str, 
     return passwords
 
 
+def external_redis_users(objs: list[dict]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The ACL users of an external Redis, as docs/deploy.md has the operator create them: each role's password
+    from its Secret handoff-redis-<role> as rendered, or, where the overlay ships none (example-own), a made-up
+    one in a Secret of that name; returns (role -> password, the made-up Secrets: name -> key -> value)."""
+    from common import redis_acl
+
+    rendered = Resolver(objs).secrets
+    made_up: dict[str, dict[str, str]] = {}
+    passwords = {}
+    for role in redis_acl.ROLES:
+        # A generated Secret's name carries a hash suffix (the cpu overlay's dev passwords).
+        name = next((n for n in rendered if n.startswith(redis_secret(role))), redis_secret(role))
+        if name not in rendered:
+            made_up[name] = {"password": token_urlsafe(24)}
+        passwords[role] = (rendered | made_up)[name]["password"]
+    return passwords, made_up
+
+
 def remap_mounted(env: dict[str, str], mounted: dict[str, Path]) -> dict[str, str]:
-    """Environment values that are paths on a mounted volume, moved to where it was written here;
-    each must name a file the volume holds."""
+    """Paths on a mounted volume in environment values — the whole value, or a URL parameter's
+    (rediss://...?ssl_ca_certs=PATH) — moved to where the volume is here; each must exist on it."""
     out = dict(env)
-    for name, value in env.items():
+    for name in env:
         for mount_path, folder in mounted.items():
-            if value.startswith(mount_path + "/"):
-                local = folder / value[len(mount_path) + 1:]
-                assert local.is_file(), f"{name}={value}: the mounted Secret has no such key"
-                out[name] = str(local)
+            def local(match: re.Match) -> str:
+                path = folder / match.group(2)[len(mount_path) + 1:]
+                assert path.exists(), f"{name}={env[name]}: the mounted volume has no {match.group(2)}"
+                return match.group(1) + str(path)
+            out[name] = re.sub(rf"(^|=)({re.escape(mount_path)}/[^&\s]*)", local, out[name])
     return out
 
 
@@ -192,23 +227,36 @@ def wait_serving(port: int, proc: subprocess.Popen, deadline: float, what: str, 
     pytest.fail(f"{what}: health on port {port} still {status} at the startup probe's deadline\n{logs()}")
 
 
-def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None, api_key: str | None = None) -> None:
+def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None, api_key: str | None = None,
+                           redis_tls: tuple[Path, Path] | None = None, claims: dict[str, Path] | None = None) -> None:
     """Start router, prefill and decode as the rendered Deployments describe them, wait for their
     probes, send one Generate through the router (over `client_tls`, with `api_key`), check the
-    autoscalers' metrics, then SIGTERM them all and check that they drain in time."""
+    autoscalers' metrics, then SIGTERM them all and check that they drain in time.
+
+    Without a Redis Deployment (components/external-redis), the services' rediss:// URL reaches the
+    local Redis, which has the role users of external_redis_users, through TLS with `redis_tls`
+    (certificate, key: for `localhost`, from the CA in the rendered Secret). `claims` maps
+    PersistentVolumeClaims to local folders."""
     from common import grpc_common, security
     from common.redis_server import EmbeddedRedis, connect
     from common.state import StateStore
     from protos import handoff_pb2, handoff_pb2_grpc
+    from tests.support.tls_proxy import TLSProxy
 
-    deployments = {c: one(objs, "Deployment", c) for c in (*POOLS, "redis")}
+    deployments = {c: one(objs, "Deployment", c) for c in ((*POOLS, "redis") if bundled_redis(objs) else POOLS)}
 
-    # Redis: its container's script run on the rendered Secrets and rules builds the ACL file; the server here
-    # is given the same users (EmbeddedRedis writes the same lines).
-    passwords = redis_users_of(objs, deployments["redis"], tmp_path / "redis")
-    redis_service = one(objs, "Service", "redis")
-    service_hosts = {redis_service["metadata"]["name"],
-                     f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc"}
+    made_up: dict[str, dict[str, str]] = {}
+    if "redis" in deployments:
+        # Redis: its container's script run on the rendered Secrets and rules builds the ACL file; the server
+        # here is given the same users (EmbeddedRedis writes the same lines).
+        passwords = redis_users_of(objs, deployments["redis"], tmp_path / "redis")
+        redis_service = one(objs, "Service", "redis")
+        service_hosts = {redis_service["metadata"]["name"],
+                         f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc"}
+    else:  # an external Redis, with the role users the operator created on it
+        assert redis_tls, "an external Redis is reached over TLS: give the test server a certificate"
+        passwords, made_up = external_redis_users(objs)
+        service_hosts = set()
 
     # Every port a service listens on moves to a free local one (three "pods" share 127.0.0.1).
     port_map: dict[int, int] = {}
@@ -217,6 +265,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
             port_map[p["containerPort"]] = free_port()  # never the same port twice in a process
 
     server = EmbeddedRedis(acl_users=passwords).start()
+    proxy = TLSProxy(server.port, *redis_tls).start() if redis_tls else None
     procs: dict[str, subprocess.Popen] = {}
     log_paths = {c: tmp_path / f"{c}.log" for c in POOLS}
 
@@ -230,6 +279,8 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         url = urlparse(value)
         if url.scheme == "redis" and url.hostname in service_hosts:
             return urlunparse(url._replace(netloc=f"127.0.0.1:{server.port}"))
+        if url.scheme == "rediss" and proxy is not None:  # the external Redis, its certificate's name
+            return urlunparse(url._replace(netloc=f"localhost:{proxy.port}"))
         return value
 
     def channel(port: int, expect: str | None = None) -> grpc.Channel:
@@ -239,12 +290,12 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         return grpc_common.channel(f"127.0.0.1:{port}", credentials=credentials,
                                    server_name=client_tls.name_for(expect) if client_tls and expect else None)
 
-    resolver = Resolver(objs, rewrite=rewrite)
+    resolver = Resolver(objs, rewrite=rewrite, secrets=made_up)
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HANDOFF_", "REDIS_"))}
     try:
         for component in POOLS:
             deployment, ctr = deployments[component], container(deployments[component])
-            mounted = resolver.mount_secrets(deployment, ctr, tmp_path / component)
+            mounted = resolver.mount_volumes(deployment, ctr, tmp_path / component, claims)
             env = remap_mounted(resolver.env(deployment, ctr), mounted)
             argv = resolver.argv(ctr, env)
             unresolved = [a for a in argv if "$(" in a]
@@ -357,11 +408,15 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
             assert proc.returncode == 0, f"{component} exited with {proc.returncode} after SIGTERM\n{logs()}"
         assert store.list_workers() == [], "drained workers deregister"
         client.close()
+        if proxy is not None:
+            assert proxy.num_handshakes >= len(POOLS) and proxy.num_refused == 0, "every service spoke TLS to Redis"
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if proxy is not None:
+            proxy.stop()
         server.stop()
 
 
@@ -398,3 +453,44 @@ def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
     # for no client certificate, and the prefill certificate is handed over for the KV-port check only.
     client_tls = TLSConfig(cert=str(pki / "prefill.crt"), key=str(pki / "prefill.key"), ca=str(pki / "ca.crt"))
     run_as_local_processes(objs, tmp_path, client_tls=client_tls, api_key=api_key)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_cpu_overlay_with_own_model_and_redis_runs_as_a_working_cluster(tmp_path):
+    """model-pvc and external-redis, run: every service loads the model from the claim's path (a folder
+    here), and reaches Redis by the rendered rediss:// URL, through TLS, checked against the CA that the
+    Secret handoff-redis-tls mounts, as its role's ACL user with the password of its role's Secret."""
+    from common.engine.model_files import resolve_model_path
+    from tests.support.certs import make_ca, make_cert
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = make_ca(pki, "redis-ca")
+    cert, key = make_cert(pki, "redis", ca, sans=("DNS:localhost",))
+    folder = tmp_path / "kustomize"
+    folder.mkdir()
+    compose(folder, "cpu", ("model-pvc", "external-redis"), secrets={REDIS_TLS_SECRET: {"ca.crt": ca[0].read_bytes()}})
+    objs = kustomize_build(folder)
+    model = of_kind(objs, "ConfigMap")[0]["data"]["model"]
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    (claim / Path(model).name).symlink_to(resolve_model_path("smollm2"))  # what loader.yaml's recipe copies
+    run_as_local_processes(objs, tmp_path, redis_tls=(cert, key), claims={MODELS_CLAIM: claim})
+
+
+@pytest.mark.parametrize("overlay, components", [(OWN, ()), ("cpu", ("external-redis",))])
+def test_an_external_redis_has_the_users_the_pools_log_in_as(overlay, components, tmp_path):
+    """The users the test gives an external Redis are the ones the rendered pools log in as: the overlay's
+    role Secrets (cpu's dev passwords), or made-up ones where it ships none (example-own)."""
+    from common import redis_acl
+
+    objs = kustomize_build(compose(tmp_path, overlay, components))
+    passwords, made_up = external_redis_users(objs)
+    assert set(passwords) == set(redis_acl.ROLES)
+    assert sorted(made_up) == (sorted(redis_secret(r) for r in redis_acl.ROLES) if overlay == OWN else [])
+    resolver = Resolver(objs, secrets=made_up)
+    for component in POOLS:
+        deployment = one(objs, "Deployment", component)
+        env = resolver.env(deployment, container(deployment))
+        assert (env["REDIS_USERNAME"], env["REDIS_PASSWORD"]) == (redis_acl.username(component), passwords[component])

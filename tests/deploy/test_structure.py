@@ -15,6 +15,7 @@ from tests.deploy.manifests import (
     COMPOSED,
     NAME,
     OVERLAYS,
+    OWN,
     PART_OF,
     POOL_METRICS,
     POOLS,
@@ -22,6 +23,7 @@ from tests.deploy.manifests import (
     TLS_SECRET,
     WORKERS,
     all_containers,
+    bundled_redis,
     compose,
     container,
     kustomize_build,
@@ -31,6 +33,7 @@ from tests.deploy.manifests import (
     one,
     parse_quantity,
     pod_spec,
+    redis_secret,
     render,
     selector_matches,
     split_image,
@@ -246,30 +249,43 @@ def test_configuration_comes_from_the_configmap_and_the_password_from_a_secret(o
     objs = render(overlay)
     config = of_kind(objs, "ConfigMap")[0]
     url = urlparse(config["data"]["redis-url"])
-    assert url.scheme == "redis" and url.password is None and url.username is None, "no credentials in REDIS_URL"
-    redis_service = one(objs, "Service", "redis")
-    assert url.hostname in (redis_service["metadata"]["name"],
-                            f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc")
-    assert url.port in [p["port"] for p in redis_service["spec"]["ports"]]
-    # Redis: an ACL user per role, rules from the code (common/redis_acl.py), passwords from each role's Secret.
-    redis_deployment = one(objs, "Deployment", "redis")
-    redis_ctr = container(redis_deployment)
-    script = redis_ctr["args"][0]
-    assert redis_ctr["command"] == ["sh", "-c"] and "--aclfile /tmp/users.acl" in script
-    assert script.index("user default off") < script.index("exec redis-server"), "the default user is off"
-    assert "for role in router prefill decode operator" in script and "sha256sum" in script
-    assert "requirepass" not in script
-    acl = next(o for o in of_kind(objs, "ConfigMap") if o["metadata"]["name"].startswith("handoff-redis-acl"))
-    assert {k: v.strip() for k, v in acl["data"].items()} == {r: redis_acl.rules(r) for r in redis_acl.ROLES}, \
-        "deploy/k8s/base/redis-acl differs from the code: python -m common.redis_acl --write deploy/k8s/base/redis-acl"
-    volumes = {v["name"]: v for v in pod_spec(redis_deployment)["volumes"]}
-    mounts = {m["mountPath"]: volumes[m["name"]] for m in redis_ctr["volumeMounts"]}
-    assert mounts["/etc/handoff/redis-acl"]["configMap"]["name"] == acl["metadata"]["name"]
-    users = mounts["/etc/handoff/redis-users"]["projected"]
-    assert users["defaultMode"] & 0o007 == 0
-    role_secret = {src["secret"]["items"][0]["path"]: src["secret"]["name"] for src in users["sources"]}
-    assert set(role_secret) == set(redis_acl.ROLES)
-    assert all(role_secret[r].startswith(f"handoff-redis-{r}") for r in redis_acl.ROLES), role_secret
+    assert url.password is None and url.username is None, "no credentials in REDIS_URL"
+    if bundled_redis(objs):
+        assert url.scheme == "redis"
+        redis_service = one(objs, "Service", "redis")
+        assert url.hostname in (redis_service["metadata"]["name"],
+                                f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc")
+        assert url.port in [p["port"] for p in redis_service["spec"]["ports"]]
+        # Redis: an ACL user per role, rules from the code (common/redis_acl.py), passwords from each role's Secret.
+        redis_deployment = one(objs, "Deployment", "redis")
+        redis_ctr = container(redis_deployment)
+        script = redis_ctr["args"][0]
+        assert redis_ctr["command"] == ["sh", "-c"] and "--aclfile /tmp/users.acl" in script
+        assert script.index("user default off") < script.index("exec redis-server"), "the default user is off"
+        assert "for role in router prefill decode operator" in script and "sha256sum" in script
+        assert "requirepass" not in script
+        acl = next(o for o in of_kind(objs, "ConfigMap") if o["metadata"]["name"].startswith("handoff-redis-acl"))
+        assert {k: v.strip() for k, v in acl["data"].items()} == {r: redis_acl.rules(r) for r in redis_acl.ROLES}, \
+            "deploy/k8s/base/redis-acl differs from the code: python -m common.redis_acl --write deploy/k8s/base/redis-acl"
+        volumes = {v["name"]: v for v in pod_spec(redis_deployment)["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in redis_ctr["volumeMounts"]}
+        assert mounts["/etc/handoff/redis-acl"]["configMap"]["name"] == acl["metadata"]["name"]
+        users = mounts["/etc/handoff/redis-users"]["projected"]
+        assert users["defaultMode"] & 0o007 == 0
+        role_secret = {src["secret"]["items"][0]["path"]: src["secret"]["name"] for src in users["sources"]}
+        assert set(role_secret) == set(redis_acl.ROLES)
+    else:  # components/external-redis: TLS, nothing of the bundled Redis left, the same users on the operator's Redis
+        assert url.scheme == "rediss", "an external Redis is reached over TLS"
+        left = [(o["kind"], o["metadata"]["name"]) for o in objs
+                if o["metadata"]["name"] in ("handoff-redis", "handoff-to-redis")
+                or o["metadata"]["name"].startswith("handoff-redis-acl")
+                or o["metadata"].get("labels", {}).get(COMPONENT) == "redis"]
+        assert not left, f"the bundled Redis's objects are left behind: {left}"
+        shipped = {s["metadata"]["name"] for s in of_kind(objs, "Secret")}
+        # Each role's Secret as the overlay ships it (a generated name carries a hash suffix), else as the operator creates it.
+        role_secret = {r: next((n for n in shipped if n.startswith(redis_secret(r))), redis_secret(r))
+                       for r in redis_acl.ROLES}
+    assert all(role_secret[r].startswith(redis_secret(r)) for r in redis_acl.ROLES), role_secret
     for component in POOLS:
         ctr = container(one(objs, "Deployment", component))
         refs = {e["name"]: e.get("valueFrom", {}) for e in ctr["env"]}
@@ -284,8 +300,8 @@ def test_configuration_comes_from_the_configmap_and_the_password_from_a_secret(o
         for name in ("HANDOFF_PORT", "HANDOFF_MODEL", "HANDOFF_METRICS_PORT"):
             assert refs[name]["configMapKeyRef"]["name"] == config["metadata"]["name"], f"{component}: {name}"
     secrets = of_kind(objs, "Secret")
-    if overlay == "gpu":
-        assert not secrets, "the gpu overlay ships no password: the operator supplies the Secrets"
+    if overlay in ("gpu", OWN):
+        assert not secrets, f"the {overlay} overlay ships no password: the operator supplies the Secrets"
     else:
         assert sorted(s["metadata"]["name"] for s in secrets if s["metadata"]["name"].startswith("handoff-redis")) \
             == sorted(role_secret.values())

@@ -25,12 +25,13 @@ def make_ca(folder: Path, name: str) -> tuple[Path, Path]:
     return folder / f"{name}.crt", folder / f"{name}.key"
 
 
-def make_cert(folder: Path, name: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
-    """A certificate for SERVER_NAME, good as server and as client certificate."""
+def make_cert(folder: Path, name: str, ca: tuple[Path, Path],
+              sans: tuple[str, ...] = (f"DNS:{SERVER_NAME}",)) -> tuple[Path, Path]:
+    """A certificate for `sans` (SERVER_NAME unless told), good as server and as client certificate."""
     openssl(folder, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
     ext = folder / f"{name}.ext"
-    ext.write_text(f"subjectAltName=DNS:{SERVER_NAME}\nextendedKeyUsage=serverAuth,clientAuth\n"
+    ext.write_text(f"subjectAltName={','.join(sans)}\nextendedKeyUsage=serverAuth,clientAuth\n"
                    "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n")
     openssl(folder, "x509", "-req", "-in", f"{name}.csr", "-CA", str(ca[0]), "-CAkey", str(ca[1]),
             "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", ext.name)

@@ -70,7 +70,7 @@ CONTRACT = {
         "TransferDone": ["kv_bytes", "num_chunks", "transfer_s", "skipped_tokens", "exposed_s", "num_segments"],
         "PrefillEvent": ["first_token", "transfer_done"],
         "DecodeRequest": ["request_id", "epoch", "prompt_ids", "sampling", "kv_wait_s", "output_ids", "attempt",
-                          "prefill_here"],
+                          "prefill_here", "traceparent"],
         "DecodeEvent": ["token_ids", "finish_reason", "kv_wait_s", "decode_s", "logprobs"],
         "SessionRequest": ["start", "cancel"],
         "SessionCancel": ["request_id", "attempt"],
