@@ -238,6 +238,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
     (certificate, key: for `localhost`, from the CA in the rendered Secret). `claims` maps
     PersistentVolumeClaims to local folders."""
     from common import grpc_common, security
+    from common.engine.model_files import served_name
     from common.redis_server import EmbeddedRedis, connect
     from common.state import StateStore
     from protos import handoff_pb2, handoff_pb2_grpc
@@ -370,7 +371,11 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         with urllib.request.urlopen(completion, timeout=60, context=context) as resp:
             answer = json.loads(resp.read())
         assert answer["choices"][0]["text"] == "".join(c.text for c in chunks), answer
-        assert answer["model"] == "smollm2", "the ConfigMap's empty served-model-name serves the model's own name"
+        config = of_kind(objs, "ConfigMap")[0]["data"]
+        assert config["served-model-name"] == ""
+        # The model's own name, of the path the pods are given (components/model-pvc: a file on the claim).
+        assert answer["model"] == served_name(config["model"]), \
+            "the ConfigMap's empty served-model-name serves the model's own name"
         assert chunks[-1].finish_reason in (handoff_pb2.FINISH_REASON_STOP, handoff_pb2.FINISH_REASON_LENGTH)
         assert "".join(c.text for c in chunks).strip(), "decoded text came back"
         if client_tls:  # every serving port refuses a plaintext caller
