@@ -107,11 +107,14 @@ class DecodeWorker(WorkerBase):
             self.engine.step_listeners.append(self.batch_sizes.record)
         # Decode's KV port is its own server: pushes never compete with Decode streams or health
         # probes for RPC slots, and a NetworkPolicy can open the port to prefill pods alone.
-        self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
+        self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES,
+                                                 interceptors=self.interceptors())
         internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self), self.kv_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)  # same status as the main port
-        self.kv_port = grpc_common.bind(self.kv_server, self.config.host, self.config.kv_port, self.server_credentials,
-                                      flag="--kv-port")
+        # Credentials of its own: each port takes re-read TLS files at its own next handshake.
+        credentials = self.tls_files.server_credentials(require_client_cert=True) if self.tls_files else None
+        self.kv_port = grpc_common.bind(self.kv_server, self.config.host, self.config.kv_port, credentials,
+                                        flag="--kv-port")
         self.kv_server.start()
 
     def _stop_extra(self) -> None:
@@ -136,7 +139,8 @@ class DecodeWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=len(self.engine.running),
                           num_waiting=num_waiting, started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, identity=self.identity,
+                          **self.prefix_info())
 
     def max_kv_bytes(self) -> int:
         # The largest push a Decode could use: a prompt that fits the context and, with the token

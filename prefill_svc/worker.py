@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from common import grpc_common, metrics, tracing
+from common import grpc_common, metrics, security, tracing
 from common.engine.engine import EngineConfig
 from common.grpc_common import ServiceError
 from common.engine.output import FinishReason
@@ -26,8 +26,8 @@ class PrefillWorker(WorkerBase):
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
         # Channels to decode workers' KV ports; targets come with each request, pods come and go.
-        self.kv_channels = grpc_common.ChannelCache(credentials=self.channel_credentials,
-                                                  server_name=self.config.tls.server_name)
+        self.kv_channels = grpc_common.ChannelCache(
+            tls=security.ClientTLS(self.tls_files, "decode") if self.tls_files else None)
         self.stream_kv = self.config.stream_kv  # read per request: bench.token_path compares both on one worker
 
     def _num_blocks(self) -> int:
@@ -50,7 +50,8 @@ class PrefillWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=self.num_inflight,
                           num_waiting=len(self.engine.waiting), started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, identity=self.identity,
+                          **self.prefix_info())
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         super().stop(drain_timeout_s)

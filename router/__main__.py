@@ -3,7 +3,7 @@ import logging
 import signal
 import threading
 
-from common import cli, grpc_common, metrics, tracing
+from common import cli, grpc_common, metrics, security, tracing
 from common.redis_server import announce_embedded, connect
 from common.state import StateStore
 from router.config import RouterConfig
@@ -25,6 +25,7 @@ def main(argv=None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    security.reload_on_sighup()  # certificates and API keys are also re-read when they change, within a second
     try:
         server = RouterServer(config, StateStore(client)).start()
     except grpc_common.PortInUse as exc:

@@ -78,12 +78,12 @@ class Router:
                                    queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued,
                                    routing=config.routing, cache_balance=config.cache_balance)
         self.leases = LeaseKeeper(state, config.lease_ttl_s)
-        # The router's own certificate is its client certificate towards the workers (mutual TLS).
-        self.channels = grpc_common.AioChannelCache(credentials=security.channel_credentials(config.tls),
-                                                  server_name=config.tls.server_name)
+        # The router's own certificate is its client certificate towards the workers (mutual TLS), whose
+        # certificates must name their role; channels opened after a rotation use the new files.
+        files = security.tls_files(config.tls)
+        self.channels = grpc_common.AioChannelCache(tls=security.ClientTLS(files, "prefill") if files else None)
         # Decode streams: one DecodeSession per decode worker carries all of this router's requests there.
-        self.sessions = DecodeSessions(credentials=security.channel_credentials(config.tls),
-                                       server_name=config.tls.server_name)
+        self.sessions = DecodeSessions(tls=security.ClientTLS(files, "decode") if files else None)
         self.calls: set[GenerateCall] = set()  # in flight (recorded in Redis, not yet ended)
 
     async def validate(self, request: handoff_pb2.GenerateRequest) -> ValidRequest:

@@ -1,7 +1,7 @@
 """The router's OpenAI-compatible HTTP port: Starlette on uvicorn, in front of the same GenerateCall as gRPC.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events with "stream": true)
-    GET  /v1/models, GET /health, GET /metrics
+    GET  /v1/models, GET /health      (metrics are on --metrics-port, never on this public port)
 
 A request is parsed (router/openai_schema.py), validated by the router's RequestValidator and served by one
 GenerateCall per choice, exactly as Generate serves a gRPC call: records in Redis, leases, failover,
@@ -28,7 +28,6 @@ from dataclasses import replace
 
 import grpc
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -138,7 +137,6 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._no_route, 405: self._no_route})
 
     # ---- routes
@@ -161,9 +159,6 @@ class OpenAIApp:
         ready = self.is_ready()
         return self._respond(request, JSONResponse({"status": "ok" if ready else "not serving"},
                                                    status_code=200 if ready else 503))
-
-    async def metrics(self, request: Request) -> Response:
-        return self._respond(request, Response(generate_latest(), media_type=CONTENT_TYPE_LATEST))
 
     async def _no_route(self, request: Request, exc) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -351,7 +346,7 @@ class OpenAIApp:
         return response
 
 
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
 
 
 def _choices(valid: ValidRequest, n: int, *, seeded: bool) -> list[ValidRequest]:
@@ -437,13 +432,16 @@ class HTTPServer:
             raise PortInUse(f"cannot listen on {cfg.host}:{cfg.http_port}: another process uses it; choose "
                             f"another with --http-port (0 picks a free one, -1 turns HTTP off)") from None
         self.port = sock.getsockname()[1]
-        tls = cfg.tls
+        tls = cfg.tls.public  # the public certificate (--public-tls-cert), as on the gRPC port
         config = uvicorn.Config(
             self.api.app, log_level="warning", access_log=False, http="h11", loop="none", ws="none",
             lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s,
             ssl_certfile=tls.cert, ssl_keyfile=tls.key,
             ssl_ca_certs=tls.ca if tls.require_client_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE)
+        config.load()
+        if config.ssl is not None:  # certificates re-read when they change, as on the gRPC port
+            security.rotating_ssl_context(config.ssl, tls, require_client_cert=tls.require_client_cert)
         self._server = uvicorn.Server(config)
         # Off the main thread uvicorn installs no signal handlers: the router's owner handles signals.
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="router-http")

@@ -188,15 +188,15 @@ class WorkerPicker:
     def _cached_tokens(self, workers: list[WorkerInfo], prompt_ids: list[int]) -> dict[str, int]:
         """Prompt tokens each worker's published prefix cache holds (whole chunks)."""
         out: dict[str, int] = {}
-        by_seed: dict[tuple[str, int, int], list[WorkerInfo]] = {}
+        by_seed: dict[tuple[str, str, int, int], list[WorkerInfo]] = {}
         for w in workers:
             if w.prefix_seed and w.chunk_tokens:
-                by_seed.setdefault((w.prefix_seed, w.block_size, w.chunk_tokens), []).append(w)
-        for (seed, block_size, chunk), group in by_seed.items():
+                by_seed.setdefault((w.role, w.prefix_seed, w.block_size, w.chunk_tokens), []).append(w)
+        for (role, seed, block_size, chunk), group in by_seed.items():
             hashes = PrefixHasher.from_seed(bytes.fromhex(seed), block_size=block_size,
                                             chunk_tokens=chunk).chunk_hashes(prompt_ids)
             if hashes:
-                for wid, n in self.state.cached_prefix_chunks([w.worker_id for w in group], hashes).items():
+                for wid, n in self.state.cached_prefix_chunks([w.worker_id for w in group], hashes, role).items():
                     out[wid] = n * chunk
         return out
 

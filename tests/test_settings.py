@@ -16,7 +16,7 @@ from tests.deploy.manifests import OVERLAYS, container, of_kind, render
 ROOT = Path(__file__).resolve().parents[1]
 # Settings a config does not hold as a field of the same name: parsed into another form.
 CONSUMED = {"log_level", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name",
-            "tls_require_client_cert"}
+            "tls_require_client_cert", "public_tls_cert", "public_tls_key", "redis_acl"}
 
 
 def test_the_reference_is_printed_from_the_table():
