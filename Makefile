@@ -25,7 +25,7 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS += '-DCMAKE_C_FLAGS=$(NO_AMX)' '-DCMAKE_CXX_FLAGS=$(NO_AMX)'
 endif
 
-.PHONY: run test bench bench-load bench-shapes bench-peers gpu-check llama-tools zoo protos clean venv
+.PHONY: certs run test bench bench-load bench-shapes bench-peers gpu-check llama-tools zoo protos clean venv
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ venv: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) -m protos.build
+
+# A CA and one certificate per role (router, prefill, decode, operator) plus the router's public one, for a
+# local cluster or kind (docs/deploy.md, "TLS"): into $(CERTS), default ./certs.
+CERTS ?= certs
+certs: $(STAMP)
+	$(PY) -m common.pki --out $(CERTS) $(ARGS)
 
 run: protos
 	$(PY) -m router.cluster --log-level WARNING --prompt "$(PROMPT)" $(ARGS)

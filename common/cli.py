@@ -51,7 +51,8 @@ def tls_config(args: dict) -> TLSConfig:
     """The TLS settings of parsed `args` as one TLSConfig."""
     return TLSConfig(cert=args.get("tls_cert"), key=args.get("tls_key"), ca=args.get("tls_ca"),
                      server_name=args.get("tls_server_name"),
-                     require_client_cert=args.get("tls_require_client_cert", False))
+                     require_client_cert=args.get("tls_require_client_cert", False),
+                     public_cert=args.get("public_tls_cert"), public_key=args.get("public_tls_key"))
 
 
 def redis_password() -> str | None:

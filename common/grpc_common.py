@@ -175,10 +175,12 @@ def reported(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status `exc` reaches the caller as, logged (with the traceback when it is a bug). Call it
     in the except block that caught `exc`."""
     code, message = status_for(exc)
+    # A traced call's failure (common/tracing.fail) names its trace, to find the spans from the log line.
+    trace = f" (trace {exc.trace_id})" if getattr(exc, "trace_id", "") else ""
     if code == grpc.StatusCode.INTERNAL:
-        log.exception("%s failed", method)
+        log.exception("%s failed%s", method, trace)
     else:
-        log.info("%s: %s: %s", method, code.name, message)
+        log.info("%s: %s: %s%s", method, code.name, message, trace)
     return code, message
 
 
@@ -295,26 +297,29 @@ class ChannelCache:
     old one may be in gRPC's reconnect backoff after failing to reach the dead process, and would refuse
     calls for seconds after the new one is up (a killed and restarted decode worker saw its pushes fail
     "Connection refused" that way). Idle channels of the address's other epochs are closed then.
+
+    With `tls` (a security.ClientTLS), a channel is opened with the TLS files of the moment: once they are
+    re-read (a rotation), the next use opens a new channel, and calls in flight on the old one finish there.
     """
 
-    def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
-                 max_idle: int = 16):
-        self._credentials = credentials
-        self._server_name = server_name
+    def __init__(self, *, tls=None, max_idle: int = 16):
+        self._tls = tls
         self.max_idle = max_idle
-        self._channels: dict[tuple[str, str], grpc.Channel] = {}  # least recently used first
-        self._users: collections.Counter[tuple[str, str]] = collections.Counter()  # calls in flight per key
+        # (address, epoch, TLS generation) -> channel, least recently used first
+        self._channels: dict[tuple[str, str, int], grpc.Channel] = {}
+        self._users: collections.Counter[tuple[str, str, int]] = collections.Counter()  # calls in flight per key
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def use(self, address: str, epoch: str = "") -> Iterator[grpc.Channel]:
-        key = (address, epoch)
+        credentials, generation = self._tls.credentials() if self._tls is not None else (None, 0)
+        key = (address, epoch, generation)
         with self._lock:
             ch = self._channels.pop(key, None)
             if ch is None:
                 for old in [k for k in self._channels if k[0] == address and k not in self._users]:
                     self._discard(self._channels.pop(old))
-                ch = self._open(address)
+                ch = self._open(address, credentials)
             self._channels[key] = ch
             self._users[key] += 1
         try:
@@ -334,8 +339,8 @@ class ChannelCache:
                 self._discard(ch)
             self._channels.clear()
 
-    def _open(self, address: str) -> grpc.Channel:
-        return channel(address, credentials=self._credentials, server_name=self._server_name)
+    def _open(self, address: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+        return channel(address, credentials=credentials, server_name=self._tls.server_name if self._tls else None)
 
     def _discard(self, ch: grpc.Channel) -> None:
         ch.close()
@@ -353,8 +358,9 @@ class AioChannelCache(ChannelCache):
         self.close()
         await asyncio.gather(*self._closing)
 
-    def _open(self, address: str) -> grpc.aio.Channel:
-        return channel(address, credentials=self._credentials, server_name=self._server_name, aio=True)
+    def _open(self, address: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+        return channel(address, credentials=credentials, server_name=self._tls.server_name if self._tls else None,
+                       aio=True)
 
     def _discard(self, ch: grpc.aio.Channel) -> None:
         task = asyncio.get_running_loop().create_task(ch.close())

@@ -49,6 +49,8 @@ KV_EXPOSED_SECONDS = Histogram("handoff_kv_transfer_exposed_seconds",
                                "Seconds from a prefill's first token to its KV push's reply: the transfer the "
                                "prefill did not hide", ["worker"], buckets=_LATENCY_BUCKETS)
 KV_FAILURES = Counter("handoff_kv_transfer_failures_total", "KV transfers that failed", ["worker", "reason"])
+AUTHZ_DENIED = Counter("handoff_authz_denied_total", "Internal calls refused PERMISSION_DENIED for the caller's "
+                       "role (common/authz.py); caller_role none = no handoff identity", ["method", "caller_role"])
 PREFIX_TOKENS = Counter("handoff_prefix_cache_tokens_total",
                         "Prompt tokens admitted for prefill (kind=prompt) and of them found in the prefix cache "
                         "(kind=cached); hit rate = cached / prompt", ["worker", "kind"])

@@ -1,6 +1,7 @@
 """Conversions between domain types and their protobuf messages (from_pb / to_pb), in one place."""
 from __future__ import annotations
 
+from common.engine.grammar import Constraint
 from common.engine.output import FinishReason
 from common.engine.sampling import SamplingParams, TokenLogprobs
 from protos import handoff_pb2, internal_pb2
@@ -22,7 +23,31 @@ def sampling_to_pb(params: SamplingParams, seed: int) -> internal_pb2.SamplingPa
         stop=list(params.stop), stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
     if params.logprobs is not None:
         pb.logprobs = params.logprobs
+    if params.constraint is not None:
+        pb.structured_output.CopyFrom(constraint_to_pb(params.constraint))
     return pb
+
+
+def constraint_to_pb(c: Constraint) -> handoff_pb2.StructuredOutput:
+    if c.kind == "json_object":
+        return handoff_pb2.StructuredOutput(json_object=True)
+    if c.kind == "choice":
+        return handoff_pb2.StructuredOutput(choice=handoff_pb2.Choices(choices=c.choices))
+    return handoff_pb2.StructuredOutput(**{c.kind: c.value})
+
+
+def constraint_from_pb(pb: handoff_pb2.StructuredOutput) -> Constraint | None:
+    """None when no kind is set; ValueError for json_object false (it would mean nothing)."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not pb.json_object:
+            raise ValueError("structured_output.json_object must be true when set")
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(pb.choice.choices))
+    return Constraint(kind, getattr(pb, kind))
 
 
 def sampling_from_pb(pb: internal_pb2.SamplingParams, vocab_size: int) -> tuple[SamplingParams, int]:
@@ -32,7 +57,8 @@ def sampling_from_pb(pb: internal_pb2.SamplingParams, vocab_size: int) -> tuple[
         repetition_penalty=pb.repetition_penalty, presence_penalty=pb.presence_penalty,
         frequency_penalty=pb.frequency_penalty, seed=pb.seed, max_tokens=pb.max_tokens,
         stop=tuple(pb.stop), stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
-        logprobs=pb.logprobs if pb.HasField("logprobs") else None)
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        constraint=constraint_from_pb(pb.structured_output) if pb.HasField("structured_output") else None)
     params.validate(vocab_size)
     return params, pb.seed
 

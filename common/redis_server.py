@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import os
 import platform
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 
+from common import redis_acl
 from common.ports import free_port
 
 SOCKET_TIMEOUT_S = 2.0
@@ -92,11 +94,16 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int | None = None, password: str | None = None,
-                 start_timeout_s: float = 10.0, username: str | None = None) -> None:
+                 start_timeout_s: float = 10.0, username: str | None = None,
+                 acl_users: dict[str, str] | None = None, prefix: str = redis_acl.DEFAULT_PREFIX) -> None:
+        """acl_users: role -> password; each role gets its ACL user (common/redis_acl.py), and this object's
+        own user (the default one, with a random password unless one is given) is for its owner alone."""
         if username and not password:
             raise ValueError("an ACL user (username) needs a password")
         self.port = port
-        self.password = password
+        self.acl_users = dict(acl_users or {})
+        self.prefix = prefix
+        self.password = password or (secrets.token_urlsafe(24) if self.acl_users else None)
         self.username = username  # an ACL user; the default user is then switched off
         self.start_timeout_s = start_timeout_s
         self.binary = find_server_binary()
@@ -110,6 +117,15 @@ class EmbeddedRedis:
         user = quote(self.username, safe="") if self.username else ""
         auth = f"{user}:{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def credentials(self, role: str) -> tuple[str, str]:
+        """(username, password) of `role`'s ACL user."""
+        return redis_acl.username(role), self.acl_users[role]
+
+    @property
+    def folder(self) -> str | None:
+        """Its private (0700) working folder while it runs."""
+        return self._dir
 
     @property
     def pid(self) -> int | None:
@@ -141,10 +157,14 @@ class EmbeddedRedis:
         conf_path = Path(self._dir) / "server.conf"
         conf_path.touch(mode=0o600)
         if self.username:
-            conf_path.write_text(f'user default off\nuser "{_hex(self.username)}" on "{_hex(">" + self.password)}" '
-                                 f'~* &* +@all\n')
+            conf = (f'user default off\nuser "{_hex(self.username)}" on "{_hex(">" + self.password)}" '
+                    f'~* &* +@all\n')
         elif self.password:
-            conf_path.write_text(f'requirepass "{_hex(self.password)}"\n')
+            conf = f'requirepass "{_hex(self.password)}"\n'
+        else:
+            conf = ""
+        conf += "".join(redis_acl.user_line(role, pw, self.prefix) + "\n" for role, pw in self.acl_users.items())
+        conf_path.write_text(conf)
         args = [str(self.binary), str(conf_path), "--port", str(port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", self._dir]
         _live_servers.add(self)

@@ -72,7 +72,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("port", {ROUTER: 50051, PREFILL: 50061, DECODE: 50071, CLUSTER: 50051},
        "gRPC port (router.cluster: the router's Generate port; its workers take free ones)", EVERY, int),
     _s("http_port", 8000, "the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-       "/health, /metrics); 0 = a free port, -1 = off", (ROUTER, CLUSTER), int),
+       "/health; metrics are on --metrics-port alone); 0 = a free port, -1 = off", (ROUTER, CLUSTER), int),
     _s("kv_port", 0, "KV-transfer port (prefill workers push here; registered in Redis); 0 = a free one",
        (DECODE,), int),
     _s("metrics_port", {ROUTER: 9100, PREFILL: 0, DECODE: 0},
@@ -85,6 +85,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("redis_url", None, "Redis URL (redis://host:port/db, rediss:// for TLS; the password comes from "
        "REDIS_PASSWORD); unset = start an embedded Redis server in this process and log its URL for the other "
        "services", EVERY, env="REDIS_URL"),
+    _s("redis_acl", False, "the embedded Redis gets one ACL user per role (common/redis_acl.py) and each service "
+       "connects as its own; the operator's credentials go to a 0600 file whose path is printed, for python -m "
+       "router.status", (CLUSTER,), bool),
     _s("log_level", "INFO", "logging level", EVERY, _level, LOG_LEVELS),
     # The model and how it is computed.
     _s("model", "smollm2", "a .gguf file, an HF checkpoint folder, or a short name (smollm2)", EVERY),
@@ -167,13 +170,18 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_body_bytes", 4 << 20, "the largest HTTP request body; more is 413", (ROUTER, CLUSTER), int),
     _s("drain_timeout_s", 25.0, "on SIGTERM, how long in-flight requests may take to finish", SERVICES, float),
     # Security: files only (a mounted Secret); secrets themselves come from the environment, never a flag.
-    _s("tls_cert", None, "this service's certificate chain (PEM): served on its ports and presented as client "
-       "certificate; none of the TLS files set = plaintext everywhere", SERVICES),
+    _s("tls_cert", None, "this service's certificate chain (PEM), of its role (URI SAN spiffe://handoff/<namespace>"
+       "/role/<role>, DNS <role>.<--tls-server-name>; python -m common.pki issues them): served on its ports and "
+       "presented as client certificate; re-read when it changes; none of the TLS files set = plaintext everywhere",
+       SERVICES),
     _s("tls_key", None, "the private key of --tls-cert", SERVICES),
     _s("tls_ca", None, "CA bundle that peers' certificates must chain to; internal ports then require client "
        "certificates", SERVICES),
-    _s("tls_server_name", None, "name expected in the certificates of the servers this process calls (they "
-       "register IPs)", SERVICES),
+    _s("tls_server_name", None, "the internal name: a server of role R must carry the DNS name R.<this> (workers "
+       "register IPs, which no certificate names); unset = handoff-internal", SERVICES),
+    _s("public_tls_cert", None, "the certificate of the router's public ports (PEM; re-read when it changes); "
+       "unset = --tls-cert, the router's internal identity", (ROUTER,)),
+    _s("public_tls_key", None, "the private key of --public-tls-cert", (ROUTER,)),
     _s("tls_require_client_cert", False, "also require client certificates on the public port (otherwise API "
        "keys authenticate)", (ROUTER,), bool),
     _s("api_keys_file", None, "file of API keys clients must send as 'authorization: Bearer <key>' (one per "
@@ -198,6 +206,26 @@ ENGINE_ENVIRONMENT = (
     ("HANDOFF_NATIVE_CACHE", "where compiled kernel libraries are kept (default ~/.cache/handoff/native)"),
     ("HANDOFF_HUGE_PAGES", "0 = 4 KiB pages for the packed weights and the KV pool (default: transparent huge "
      "pages where the kernel offers them)"),
+)
+
+# OpenTelemetry's standard variables that turn tracing on and shape it, read by common/tracing.py and the
+# OpenTelemetry SDK (docs/operations.md, "Tracing"). Not HANDOFF_ settings: the names and meanings are the
+# specification's, so a collector's usual configuration applies.
+TRACING_ENVIRONMENT = (
+    ("OTEL_TRACES_EXPORTER", "`otlp` (and/or `console`) turns tracing on, `none` off; unset = on only when an "
+     "OTLP endpoint is set (the specification's default is otlp: handoff's is off)"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "the collector's OTLP/gRPC address (`http://host:4317`; http = plaintext); "
+     "setting it alone turns tracing on. `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` wins over it"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "`grpc` only (the default); another value stops the service at start. "
+     "Also `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`"),
+    ("OTEL_SERVICE_NAME", "the service name spans carry; unset = handoff-router, handoff-prefill, handoff-decode "
+     "or handoff-cluster"),
+    ("OTEL_SDK_DISABLED", "`true` = tracing off whatever else is set"),
+    ("OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG), OTEL_BSP_*, OTEL_EXPORTER_OTLP_(TRACES_)HEADERS / "
+     "_CERTIFICATE / _CLIENT_KEY / _CLIENT_CERTIFICATE / _COMPRESSION / _TIMEOUT / _INSECURE",
+     "as the OpenTelemetry SDK reads them: resource attributes, sampling (default parentbased_always_on: a "
+     "caller's unsampled trace stays unsampled), the batch exporter's queue and delay, the exporter's "
+     "headers, TLS, compression and timeout"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -279,6 +307,10 @@ def reference() -> str:
               "decode, cluster): for diagnosis and images, not tuning:", "",
               "| environment | what it does |", "| --- | --- |"]
     lines += [f"| `{name}` | {what} |" for name, what in ENGINE_ENVIRONMENT]
+    lines += ["", "Tracing, OpenTelemetry's standard variables, read by every service (docs/operations.md, "
+              "\"Tracing\"); with none of them set no service traces:", "",
+              "| environment | what it does |", "| --- | --- |"]
+    lines += [f"| `{name}` | {what} |" for name, what in TRACING_ENVIRONMENT]
     lines += ["", "`python -m router.cluster` also takes `--prefill` and `--decode` (how many workers of each "
               "pool) and the request flags of `python -m router.client` (`--prompt`, `--message`, sampling) "
               "to answer one request and exit.", ""]

@@ -4,19 +4,25 @@ Every update that must not race is one Lua script, and every script takes its ti
 Redis TIME, so all processes judge leases and expiries by one clock. Scripts name keys from
 the prefix, so the store needs a single (non-cluster) Redis.
 
-Keys, under the prefix:
-    workers                 ZSET worker_id -> registration expiry (ms, Redis clock)
-    worker:<id>             HASH of WorkerInfo fields, expiring with the registration
-    leases:<id>             ZSET request_id -> lease expiry (ms)
+Keys, under the prefix (<role> = prefill | decode):
+    workers:<role>          ZSET worker_id -> registration expiry (ms, Redis clock)
+    worker:<role>:<id>      HASH of WorkerInfo fields, expiring with the registration
+    leases:<id>             ZSET request_id -> lease expiry (ms); decode workers
     lease_blocks:<id>       HASH request_id -> "<num_blocks>:<worker epoch>"
-    request:<id>            HASH state, history, t_<state>, counts, workers, router, error
-    prefixes:<id>           SET hex prefix hashes of the prompt chunks the worker's cache holds (expires
+    request:<id>            HASH state, history, t_<state>, counts, workers, router, error, trace_id (traced)
+    prefixes:<role>:<id>    SET hex prefix hashes of the prompt chunks the worker's cache holds (expires
                             with the registration)
     routers                 ZSET router_id -> registration expiry (ms)
     router_requests:<id>    SET request ids the router has in flight (non-terminal records); expires with
                             its newest record's in-flight TTL
     drain:<id>              STRING the epoch an operator asked to drain (python -m router.status drain)
+    drained:<role>:<id>     STRING the epoch that has drained (the worker's answer)
     reaped_at               STRING Redis time (ms) of the last reap_routers() by anyone
+
+A worker's registry keys are under its role, so that Redis ACLs (common/redis_acl.py) can give each
+role's user its own keys only: a worker registers only as its role, and a router not at all. The role
+in a registration is the one its keys are under; reads never write (expired entries are dropped by the
+workers' own heartbeats, expired leases by the router's reservations).
 """
 from __future__ import annotations
 
@@ -37,6 +43,13 @@ REAP_MAX_GAP_S = 1.0
 class StateUnavailable(RuntimeError):
     """Redis could not be asked: down, restarting, timed out, or it refused the command (out of
     memory, a read-only replica, an ACL without the permission). The message says which."""
+
+
+class StatePermissionDenied(StateUnavailable):
+    """Redis refused a command or key to this ACL user (NOPERM): not this role's to do."""
+
+
+WORKER_ROLES = ("prefill", "decode")
 
 
 class RequestState(StrEnum):
@@ -71,6 +84,7 @@ class WorkerInfo:
     # holds a prompt's prefix: the hash seed (hex) and the prefill chunk size; "" / 0 = no prefix cache.
     prefix_seed: str = ""
     chunk_tokens: int = 0
+    identity: str = ""  # the SPIFFE ID of its certificate (common/pki.py); "" with TLS off
     # Decode only, computed on read as total_blocks minus the live leases; never written.
     available_blocks: int | None = None
 
@@ -142,6 +156,21 @@ local function held_blocks(leases, blocks, epoch, now)
   return held
 end
 
+-- The live leases (unexpired, made on `epoch`) as {request_id, blocks, ...}, changing nothing: for readers.
+local function live_leases(leases, blocks, epoch, now)
+  local out = {}
+  local all = redis.call('HGETALL', blocks)
+  for i = 1, #all, 2 do
+    local n, lease_epoch = string.match(all[i + 1], '^(%d+):(.*)$')
+    local expiry = redis.call('ZSCORE', leases, all[i])
+    if expiry and tonumber(expiry) > now and (not epoch or lease_epoch == epoch) then
+      out[#out + 1] = all[i]
+      out[#out + 1] = tonumber(n)
+    end
+  end
+  return out
+end
+
 -- Lease keys live as long as their last lease, so a vanished worker leaves nothing behind.
 local function expire_with_last_lease(leases, blocks)
   local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
@@ -153,19 +182,23 @@ local function expire_with_last_lease(leases, blocks)
 end
 """
 
-# KEYS: workers index, worker hash. ARGV: worker_id, ttl_ms, field/value pairs.
+# KEYS: workers index of the role, worker hash. ARGV: worker_id, ttl_ms, field/value pairs. Each beat
+# also drops the index's expired entries (a reader never writes).
 _HEARTBEAT = _LUA_PRELUDE + """
 local ttl_ms = tonumber(ARGV[2])
+local now = now_ms()
 redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[2], ttl_ms)
-redis.call('ZADD', KEYS[1], now_ms() + ttl_ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + ttl_ms, ARGV[1])
 return 1
 """
 
-# KEYS: workers index, worker hash, leases, lease_blocks. ARGV: worker_id, epoch, '1' to keep the leases.
+# KEYS: workers index, worker hash, then the worker's other keys to delete (none: a draining worker keeps
+# its leases). ARGV: worker_id, epoch.
 _DEREGISTER = """
 if redis.call('HGET', KEYS[2], 'epoch') ~= ARGV[2] then return 0 end
-if ARGV[3] == '1' then redis.call('DEL', KEYS[2]) else redis.call('DEL', KEYS[2], KEYS[3], KEYS[4]) end
+redis.call('DEL', unpack(KEYS, 2))
 redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 """
@@ -184,28 +217,28 @@ end
 return dropped
 """
 
-# ARGV: prefix, role ('' = any), then worker ids ('' ids = every registered worker).
-# Returns one flat field/value list per live worker, decode workers with available_blocks.
+# ARGV: prefix, role ('' = both), then worker ids (none = every registered worker). Returns one flat
+# field/value list per live worker, decode workers with available_blocks; writes nothing. An entry whose
+# role field is not the role its keys are under is no registration (its keys' ACL is that role's).
 _LIST_WORKERS = _LUA_PRELUDE + """
 local prefix, role = ARGV[1], ARGV[2]
-local index = prefix .. 'workers'
 local now = now_ms()
-local ids = {unpack(ARGV, 3)}
-if #ids == 0 then
-  redis.call('ZREMRANGEBYSCORE', index, '-inf', now)
-  ids = redis.call('ZRANGE', index, 0, -1)
-end
+local given = {unpack(ARGV, 3)}
+local roles = {role}
+if role == '' then roles = {'prefill', 'decode'} end
 local out = {}
-for _, id in ipairs(ids) do
-  local info = redis.call('HGETALL', prefix .. 'worker:' .. id)
-  if #info == 0 then
-    redis.call('ZREM', index, id)
-  else
+for _, r in ipairs(roles) do
+  local ids = given
+  if #ids == 0 then ids = redis.call('ZRANGEBYSCORE', prefix .. 'workers:' .. r, '(' .. now, '+inf') end
+  for _, id in ipairs(ids) do
+    local info = redis.call('HGETALL', prefix .. 'worker:' .. r .. ':' .. id)
     local w = {}
     for i = 1, #info, 2 do w[info[i]] = info[i + 1] end
-    if role == '' or w.role == role then
-      if w.role == 'decode' then
-        local held = held_blocks(prefix .. 'leases:' .. id, prefix .. 'lease_blocks:' .. id, w.epoch, now)
+    if #info > 0 and w.role == r then
+      if r == 'decode' then
+        local held = 0
+        local live = live_leases(prefix .. 'leases:' .. id, prefix .. 'lease_blocks:' .. id, w.epoch, now)
+        for i = 2, #live, 2 do held = held + live[i] end
         info[#info + 1] = 'available_blocks'
         info[#info + 1] = tonumber(w.total_blocks) - held
       end
@@ -216,49 +249,47 @@ end
 return out
 """
 
-# KEYS: worker hash, leases, lease_blocks. ARGV: epoch, request_id, num_blocks, ttl_ms.
+# A worker's registration is passed in ARGV, not KEYS: a key EVAL declares needs read and write access,
+# and a router or operator may only read registrations (common/redis_acl.py).
+
+# KEYS: leases, lease_blocks. ARGV: worker hash, epoch, request_id, num_blocks, ttl_ms.
 # Returns {ok, reason, available_blocks, expires_at_ms}. Re-reserving the same request
 # replaces its lease (only if the new one fits), so a retried call cannot hold blocks twice.
 _RESERVE = _LUA_PRELUDE + """
-local epoch, rid, num_blocks = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local epoch, rid, num_blocks = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
-local w = redis.call('HMGET', KEYS[1], 'epoch', 'role', 'total_blocks')
+local w = redis.call('HMGET', ARGV[1], 'epoch', 'role', 'total_blocks')
 if not w[1] then return {0, 'worker_gone', 0, 0} end
 if w[1] ~= epoch then return {0, 'epoch_mismatch', 0, 0} end
 if w[2] ~= 'decode' then return {0, 'not_decode', 0, 0} end
-local held = held_blocks(KEYS[2], KEYS[3], epoch, now)
-local mine = redis.call('HGET', KEYS[3], rid)
+local held = held_blocks(KEYS[1], KEYS[2], epoch, now)
+local mine = redis.call('HGET', KEYS[2], rid)
 if mine then held = held - tonumber(string.match(mine, '^(%d+):')) end
 local available = tonumber(w[3]) - held
 if available < num_blocks then return {0, 'no_capacity', available, 0} end
-local expires_at = now + tonumber(ARGV[4])
-redis.call('ZADD', KEYS[2], expires_at, rid)
-redis.call('HSET', KEYS[3], rid, num_blocks .. ':' .. epoch)
-expire_with_last_lease(KEYS[2], KEYS[3])
+local expires_at = now + tonumber(ARGV[5])
+redis.call('ZADD', KEYS[1], expires_at, rid)
+redis.call('HSET', KEYS[2], rid, num_blocks .. ':' .. epoch)
+expire_with_last_lease(KEYS[1], KEYS[2])
 return {1, 'ok', available - num_blocks, expires_at}
 """
 
-# KEYS: worker hash, leases, lease_blocks. ARGV: request_id, ttl_ms. An expired lease
+# KEYS: leases, lease_blocks. ARGV: worker hash, request_id, ttl_ms. An expired lease
 # is not revived: its blocks may already be promised to someone else.
 _RENEW = _LUA_PRELUDE + """
 local now = now_ms()
-held_blocks(KEYS[2], KEYS[3], redis.call('HGET', KEYS[1], 'epoch'), now)
-if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[2]), ARGV[1])
-expire_with_last_lease(KEYS[2], KEYS[3])
+held_blocks(KEYS[1], KEYS[2], redis.call('HGET', ARGV[1], 'epoch'), now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[3]), ARGV[2])
+expire_with_last_lease(KEYS[1], KEYS[2])
 return 1
 """
 
-# KEYS: worker hash, leases, lease_blocks. Returns {total_blocks or -1, request/blocks pairs...}.
+# ARGV: worker hash, leases, lease_blocks. Returns {total_blocks or -1, request/blocks pairs...}; writes nothing.
 _LIVE_LEASES = _LUA_PRELUDE + """
-local w = redis.call('HMGET', KEYS[1], 'epoch', 'total_blocks')
-held_blocks(KEYS[2], KEYS[3], w[1], now_ms())
+local w = redis.call('HMGET', ARGV[1], 'epoch', 'total_blocks')
 local out = {tonumber(w[2] or -1)}
-local all = redis.call('HGETALL', KEYS[3])
-for i = 1, #all, 2 do
-  out[#out + 1] = all[i]
-  out[#out + 1] = string.match(all[i + 1], '^(%d+):')
-end
+for _, v in ipairs(live_leases(ARGV[2], ARGV[3], w[1], now_ms())) do out[#out + 1] = v end
 return out
 """
 
@@ -421,7 +452,11 @@ def _unavailable_as_state_error(method):
                 detail = detail.replace(self._password, "***")
             if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
                 what = "is unreachable"
-            else:  # OOM, READONLY, NOPERM, ...: Redis answered, but refused
+            elif isinstance(exc, redis.exceptions.NoPermissionError) or "ACL failure in script" in detail:
+                raise StatePermissionDenied(
+                    f"Redis at {self.url} refused {method.__name__} to ACL user {self.username or 'default'}: "
+                    f"not this role's to do (common/redis_acl.py): {detail}") from exc
+            else:  # OOM, READONLY, ...: Redis answered, but refused
                 what = ("refused a command (check its memory limit, that it is a primary, and the ACL "
                         "user's permissions)")
             raise StateUnavailable(f"Redis at {self.url} {what}: {type(exc).__name__}: {detail}") from exc
@@ -450,6 +485,7 @@ class StateStore:
         self.active_record_ttl_s = active_record_ttl_s
         kwargs = client.connection_pool.connection_kwargs
         self._password = kwargs.get("password")
+        self.username = kwargs.get("username")
         where = kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
         scheme = "rediss" if issubclass(client.connection_pool.connection_class, redis.SSLConnection) else "redis"
         self.url = f"{scheme}://{where}/{kwargs.get('db', 0)}"  # never holds the password; rediss = TLS
@@ -471,9 +507,15 @@ class StateStore:
     def __repr__(self) -> str:
         return f"StateStore({self.url}, prefix={self.prefix!r})"
 
+    def _worker_key(self, role: str, worker_id: str) -> str:
+        if role not in WORKER_ROLES:
+            raise ValueError(f"worker role must be 'prefill' or 'decode', got {role!r}")
+        return f"{self.prefix}worker:{role}:{worker_id}"
+
     def _worker_keys(self, worker_id: str) -> list[str]:
+        """A decode worker's registration, leases and lease blocks."""
         p = self.prefix
-        return [f"{p}worker:{worker_id}", f"{p}leases:{worker_id}", f"{p}lease_blocks:{worker_id}"]
+        return [self._worker_key("decode", worker_id), f"{p}leases:{worker_id}", f"{p}lease_blocks:{worker_id}"]
 
     @_unavailable_as_state_error
     def ping(self) -> bool:
@@ -485,23 +527,25 @@ class StateStore:
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         """Writes the whole entry and its expiry, so it also re-creates one a Redis restart lost."""
         pairs = [x for name in _WORKER_FIELDS for x in (name, str(getattr(info, name)))]
-        self._heartbeat(keys=[f"{self.prefix}workers", f"{self.prefix}worker:{info.worker_id}"],
+        self._heartbeat(keys=[f"{self.prefix}workers:{info.role}", self._worker_key(info.role, info.worker_id)],
                         args=[info.worker_id, _ms(ttl_s), *pairs])
 
     register = heartbeat  # registering is the first heartbeat
 
     @_unavailable_as_state_error
-    def deregister(self, worker_id: str, epoch: str, keep_leases: bool = False) -> bool:
-        """Removes the worker and its leases, only if it still runs `epoch` (a restarted
+    def deregister(self, worker_id: str, epoch: str, role: str = "decode", keep_leases: bool = False) -> bool:
+        """Removes the worker (and a decode worker's leases), only if it still runs `epoch` (a restarted
         worker's old process must not remove the new one). keep_leases: a draining worker leaves the
         registry (nobody reserves on it any more) but its requests keep their leases, which their
         routers go on renewing until they end (drop_leases() once it has drained)."""
-        return bool(self._deregister(keys=[f"{self.prefix}workers", *self._worker_keys(worker_id)],
-                                     args=[worker_id, epoch, "1" if keep_leases else "0"]))
+        keys = self._worker_keys(worker_id) if role == "decode" else [self._worker_key(role, worker_id)]
+        if keep_leases:
+            keys = keys[:1]
+        return bool(self._deregister(keys=[f"{self.prefix}workers:{role}", *keys], args=[worker_id, epoch]))
 
     @_unavailable_as_state_error
     def drop_leases(self, worker_id: str, epoch: str) -> int:
-        """Removes the leases made on the worker at `epoch` (it has drained): how many were left."""
+        """Removes the leases made on the decode worker at `epoch` (it has drained): how many were left."""
         _, leases, blocks = self._worker_keys(worker_id)
         return int(self._drop_leases(keys=[leases, blocks], args=[epoch]))
 
@@ -523,13 +567,15 @@ class StateStore:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         ok, reason, available, expires_at_ms = self._reserve(
-            keys=self._worker_keys(worker_id), args=[epoch, request_id, num_blocks, _ms(ttl_s)])
+            keys=self._worker_keys(worker_id)[1:], args=[self._worker_key("decode", worker_id), epoch, request_id,
+                                                         num_blocks, _ms(ttl_s)])
         return ReserveResult(bool(ok), ReserveReason(reason), int(available), int(expires_at_ms) / 1000)
 
     @_unavailable_as_state_error
     def renew(self, worker_id: str, request_id: str, ttl_s: float) -> bool:
         """Extends a live lease to now + ttl_s; False if it expired, was released or the worker restarted."""
-        return bool(self._renew(keys=self._worker_keys(worker_id), args=[request_id, _ms(ttl_s)]))
+        worker, leases, blocks = self._worker_keys(worker_id)
+        return bool(self._renew(keys=[leases, blocks], args=[worker, request_id, _ms(ttl_s)]))
 
     @_unavailable_as_state_error
     def lease_blocks(self, worker_id: str, epoch: str, request_id: str) -> int:
@@ -552,13 +598,13 @@ class StateStore:
     @_unavailable_as_state_error
     def reservations(self, worker_id: str) -> dict[str, int]:
         """Live leases on the worker: request_id -> num_blocks."""
-        _, *flat = self._live_leases(keys=self._worker_keys(worker_id))
+        _, *flat = self._live_leases(args=self._worker_keys(worker_id))
         return {rid: int(n) for rid, n in zip(flat[::2], flat[1::2])}
 
     @_unavailable_as_state_error
     def available_blocks(self, worker_id: str) -> int:
         """total_blocks minus the live leases; 0 for a worker that is not registered."""
-        total_blocks, *flat = self._live_leases(keys=self._worker_keys(worker_id))
+        total_blocks, *flat = self._live_leases(args=self._worker_keys(worker_id))
         if total_blocks < 0:
             return 0
         return total_blocks - sum(int(n) for n in flat[1::2])
@@ -601,9 +647,9 @@ class StateStore:
     # --- prefix caches: which worker holds which prompt prefixes ---
 
     @_unavailable_as_state_error
-    def publish_prefixes(self, worker_id: str, hashes: list[bytes], ttl_s: float) -> None:
+    def publish_prefixes(self, worker_id: str, hashes: list[bytes], ttl_s: float, role: str = "prefill") -> None:
         """Replace the worker's published set of cached prefix hashes (at most a few thousand)."""
-        key = f"{self.prefix}prefixes:{worker_id}"
+        key = self._prefixes_key(role, worker_id)
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(key)
         if hashes:
@@ -612,15 +658,21 @@ class StateStore:
         pipe.execute()
 
     @_unavailable_as_state_error
-    def cached_prefix_chunks(self, worker_ids: list[str], chunk_hashes: list[bytes]) -> dict[str, int]:
-        """For each worker: how many leading chunk hashes of a prompt its published set holds."""
+    def cached_prefix_chunks(self, worker_ids: list[str], chunk_hashes: list[bytes],
+                             role: str = "prefill") -> dict[str, int]:
+        """For each worker of `role`: how many leading chunk hashes of a prompt its published set holds."""
         pipe = self.client.pipeline(transaction=False)
         for wid in worker_ids:
-            pipe.smismember(f"{self.prefix}prefixes:{wid}", [h.hex() for h in chunk_hashes])
+            pipe.smismember(self._prefixes_key(role, wid), [h.hex() for h in chunk_hashes])
         out = {}
         for wid, held in zip(worker_ids, pipe.execute()):
             out[wid] = next((i for i, h in enumerate(held) if not h), len(held))
         return out
+
+    def _prefixes_key(self, role: str, worker_id: str) -> str:
+        if role not in WORKER_ROLES:
+            raise ValueError(f"worker role must be 'prefill' or 'decode', got {role!r}")
+        return f"{self.prefix}prefixes:{role}:{worker_id}"
 
     # --- routers: who looks after which request ---
 
@@ -678,11 +730,27 @@ class StateStore:
         return self.client.get(self._drain_key(worker_id)) == epoch
 
     @_unavailable_as_state_error
-    def end_drain(self, worker_id: str, epoch: str) -> bool:
-        """Removes the drain request for `epoch` (the worker has drained, or the operator gave up)."""
-        return bool(self.client.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then "
-                                     "return redis.call('DEL', KEYS[1]) end return 0",
-                                     1, self._drain_key(worker_id), epoch))
+    def end_drain(self, worker_id: str, epoch: str, role: str | None = None) -> bool:
+        """Removes the drain request for `epoch` (the worker has drained, or the operator gave up), and with
+        `role` the worker's answer (mark_drained)."""
+        keys = [self._drain_key(worker_id)] + ([self._drained_key(role, worker_id)] if role else [])
+        return bool(self.client.eval("if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end "
+                                     "redis.call('DEL', unpack(KEYS)) return 1", len(keys), *keys, epoch))
+
+    def _drained_key(self, role: str, worker_id: str) -> str:
+        if role not in WORKER_ROLES:
+            raise ValueError(f"worker role must be 'prefill' or 'decode', got {role!r}")
+        return f"{self.prefix}drained:{role}:{worker_id}"
+
+    @_unavailable_as_state_error
+    def mark_drained(self, role: str, worker_id: str, epoch: str, ttl_s: float) -> None:
+        """The worker's answer to a drain request: it has finished its work at `epoch` (the request itself is
+        the operator's to remove: a worker may read drain requests, never write them)."""
+        self.client.set(self._drained_key(role, worker_id), epoch, px=_ms(ttl_s))
+
+    @_unavailable_as_state_error
+    def drained(self, role: str, worker_id: str, epoch: str) -> bool:
+        return self.client.get(self._drained_key(role, worker_id)) == epoch
 
     @_unavailable_as_state_error
     def drain_requests(self) -> dict[str, tuple[str, float]]:

@@ -14,7 +14,7 @@ from typing import Callable
 import grpc
 import torch
 
-from common import cli, grpc_common, metrics, security, settings
+from common import authz, cli, grpc_common, metrics, security, settings, tracing
 from common.engine.engine import Engine
 from common.grpc_common import ServiceError
 from common.engine.kv_cache import KVCache
@@ -25,7 +25,7 @@ from common.redis_server import announce_embedded, connect
 from common.engine.runner import ModelRunner, parse_dtype
 from common.security import TLSConfig
 from common.settings import default
-from common.state import StateStore, StateUnavailable, WorkerInfo
+from common.state import StatePermissionDenied, StateStore, StateUnavailable, WorkerInfo
 from common.engine.tokenizer import load_tokenizer
 from common.engine.weights import load_weights, trim_memory
 
@@ -88,7 +88,8 @@ class WorkerConfig:
         cli.setup_logging(args.pop("log_level"))
         try:
             config = cls.from_settings(role, args)
-            security.check(config.tls)  # a bad certificate stops the worker now, not after loading the model
+            # A bad certificate, or another role's, stops the worker now, not after loading the model.
+            security.check(config.tls, role)
             return config
         except ValueError as exc:
             p.error(str(exc))
@@ -184,7 +185,7 @@ class Registration:
         if deregister:
             info = self._info()
             try:
-                self.state.deregister(info.worker_id, info.epoch, keep_leases=keep_leases)
+                self.state.deregister(info.worker_id, info.epoch, info.role, keep_leases=keep_leases)
             except StateUnavailable as exc:
                 log.warning("could not deregister (the entry expires by itself): %s", exc)
 
@@ -214,6 +215,7 @@ class WorkerBase:
         self.started_at = time.time()
         self.metrics_port = 0  # set by serve() once /metrics listens
         self._published: tuple[list[bytes], float] = ([], 0.0)  # prefix hashes last published, and when
+        self._reaps = True  # ends dead routers' requests after each beat, while Redis lets it
         self.server = None
         self.health = None
         self.health_server = None
@@ -222,8 +224,9 @@ class WorkerBase:
         # Called (on the engine thread) once the engine has failed and this worker is out of service:
         # serve() makes it end the process, so that its supervisor starts a fresh one.
         self.on_engine_failure: Callable[[], None] = lambda: None
-        # Built once: every outgoing internal channel presents this worker's certificate.
-        self.channel_credentials = security.channel_credentials(config.tls)
+        # This worker's certificate, key and CA, re-read when they change: served on its ports, presented
+        # on every outgoing internal channel.
+        self.tls_files = security.tls_files(config.tls)
 
     # ---- model
 
@@ -258,8 +261,10 @@ class WorkerBase:
     # ---- lifecycle
 
     def start(self) -> "WorkerBase":
-        # Internal ports are mutual TLS whenever TLS is on: only holders of a certificate from the CA call them.
-        self.server_credentials = security.server_credentials(self.config.tls, require_client_cert=True)
+        # Internal ports are mutual TLS whenever TLS is on: only holders of a certificate from the CA call them,
+        # and each method only callers of the roles authz.ALLOWED_ROLES names.
+        self.server_credentials = (self.tls_files.server_credentials(require_client_cert=True)
+                                   if self.tls_files else None)
         set_threads(self.config.threads)
         self.model = self._load_model()
         cache = KVCache(self.model.config, self._num_blocks(), self.config.block_size, self.model.dtype,
@@ -275,7 +280,8 @@ class WorkerBase:
         self.engine = Engine(runner, self.tokenizer, self._engine_config())
         self.engine.failure_listeners.append(self._engine_failure)
         self.engine.start()
-        self.server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
+        self.server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES,
+                                              interceptors=self.interceptors())
         self.health = grpc_common.add_health_and_reflection(self.server, self.service_names)
         if self.engine_failed.is_set():
             grpc_common.set_dead(self.health, self.service_names)
@@ -327,15 +333,27 @@ class WorkerBase:
         except Exception:  # noqa: BLE001 - the entry still lapses by itself within heartbeat_ttl_s
             log.exception("could not leave the registry after the engine failed")
 
+    def interceptors(self) -> tuple[grpc.ServerInterceptor, ...]:
+        """Before the error interceptor on every port of this worker: with TLS, authorization by role."""
+        if self.tls_files is None:
+            return ()
+        return (authz.AuthorizationInterceptor(self.tls_files.identity),)
+
     def max_rpcs(self) -> int:
         """Calls the main server runs at once; beyond, gRPC answers RESOURCE_EXHAUSTED."""
         return 256
 
     def _start_extra(self) -> None:
-        """Extra servers (decode's KV port, with self.server_credentials); after the main port is bound."""
+        """Extra servers (decode's KV port); after the main port is bound."""
 
     def _stop_extra(self) -> None:
         """Stops what _start_extra started."""
+
+    @property
+    def identity(self) -> str:
+        """The SPIFFE ID of this worker's certificate, registered with it; "" with TLS off."""
+        identity = self.tls_files.identity if self.tls_files else None
+        return identity.spiffe_id if identity else ""
 
     def prefix_info(self) -> dict:
         """WorkerInfo fields saying how this worker names prompt prefixes (for cache-aware routing)."""
@@ -349,15 +367,23 @@ class WorkerBase:
         now = time.monotonic()
         if hashes == self._published[0] and now - self._published[1] < 5.0:
             return
-        self.state.publish_prefixes(self.config.worker_id, hashes, ttl_s=20.0)
+        self.state.publish_prefixes(self.config.worker_id, hashes, ttl_s=20.0, role=self.config.role)
         self._published = (hashes, now)
 
     def _after_beat(self) -> None:
         self._check_drain_request()
         self._publish_prefixes()
-        # Any survivor ends the requests of a router that died (its registration lapsed).
-        for router_id, num_ended in self.state.reap_routers().items():
-            log.warning("router %s is gone: ended its %d requests still in flight", router_id, num_ended)
+        # Any survivor ends the requests of a router that died (its registration lapsed), unless Redis ACLs
+        # make request records the routers' alone (common/redis_acl.py): then a router, restarted or not, does.
+        if self._reaps:
+            try:
+                reaped = self.state.reap_routers()
+            except StatePermissionDenied:
+                log.info("dead routers' requests are the routers' to end: this worker's Redis user may not")
+                self._reaps = False
+                return
+            for router_id, num_ended in reaped.items():
+                log.warning("router %s is gone: ended its %d requests still in flight", router_id, num_ended)
 
     @property
     def address(self) -> str:
@@ -418,10 +444,11 @@ class WorkerBase:
         self.engine.stop()
         self.server.stop(grace=1.0).wait()
         self._stop_extra()
-        try:
-            self.state.drop_leases(self.config.worker_id, self.epoch)  # those the drain timeout cut short
-        except StateUnavailable as exc:
-            log.warning("could not drop the leases left on this worker (they expire by themselves): %s", exc)
+        if self.config.role == "decode":  # only decode workers hold leases (and may write them: redis_acl)
+            try:
+                self.state.drop_leases(self.config.worker_id, self.epoch)  # those the drain timeout cut short
+            except StateUnavailable as exc:
+                log.warning("could not drop the leases left on this worker (they expire by themselves): %s", exc)
         if self.health_server is not None:
             self.health_server.stop(grace=None)
         self._end_drain_request()
@@ -448,7 +475,7 @@ class WorkerBase:
         if not self.drain_requested.is_set():
             return
         try:
-            self.state.end_drain(self.config.worker_id, self.epoch)
+            self.state.mark_drained(self.config.role, self.config.worker_id, self.epoch, ttl_s=300.0)
         except StateUnavailable as exc:
             log.warning("could not clear the drain request (it expires by itself): %s", exc)
 
@@ -456,6 +483,10 @@ class WorkerBase:
 def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     """`python -m prefill_svc` / `decode_svc`: serve until SIGTERM/SIGINT, then drain (Kubernetes
     gives terminationGracePeriodSeconds)."""
+    try:
+        tracing.configure(f"handoff-{config.role}")
+    except tracing.TracingConfigError as exc:
+        raise SystemExit(f"{config.role} worker: {exc}") from None
     client, embedded = connect(config.redis_url, password=cli.redis_password(), username=cli.redis_username())
     if embedded:
         announce_embedded(embedded, f"{config.role} worker")
@@ -463,6 +494,7 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    security.reload_on_sighup()  # certificates are also re-read when they change, within a second
     worker = worker_cls(config, StateStore(client))
     worker.metrics_port = metrics_port
     worker.on_drain_request = stop.set  # `python -m router.status drain` does what SIGTERM does
@@ -480,5 +512,6 @@ def serve(worker_cls: type[WorkerBase], config: WorkerConfig) -> None:
         log.info("%s: draining", "drain requested" if worker.drain_requested.is_set() else "signal received")
         worker.stop()
     finally:
+        tracing.close()
         if embedded:
             embedded.stop()

@@ -21,12 +21,13 @@ import time
 
 import grpc
 
-from common import metrics
+from common import metrics, tracing
 from common.engine.engine import TokenEvent
 from common.engine.output import FinishReason
 from common.grpc_common import ServiceError
 from common.pb_convert import FINISH_TO_PB, logprobs_to_pb
 from decode_svc.inbox import seq_key
+from decode_svc.spans import DecodeSpans
 from protos import internal_pb2
 
 log = logging.getLogger(__name__)
@@ -39,23 +40,28 @@ _IDLE_FLUSH_S = 0.02  # events that come outside a step (failures, KV waits) go 
 class PendingEvent:
     """A sequence's events not yet sent, merged into one DecodeEvent."""
 
-    def __init__(self, request_id: str, kv_wait_s: float = 0.0):
+    def __init__(self, request_id: str, kv_wait_s: float = 0.0, spans: DecodeSpans | None = None):
         self.request_id = request_id
         self.kv_wait_s = kv_wait_s
+        self.spans = spans  # its claim and decode spans (decode sessions)
         self.t_start = time.perf_counter()
+        self.num_tokens = 0  # sent so far
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.finish: FinishReason | None = None
         self.error: str | None = None
+        self.invalid = False  # the request's own fault (TokenEvent.invalid)
         self._first = True
 
     def add(self, ev: TokenEvent) -> None:
         self.token_ids += ev.token_ids
         self.logprobs += ev.logprobs or ()
-        self.finish, self.error = ev.finish_reason, ev.error
+        self.finish, self.error, self.invalid = ev.finish_reason, ev.error, ev.invalid
 
     def failure(self) -> ServiceError | None:
         """The status the request ends with when the engine failed or stopped it."""
+        if self.finish == FinishReason.ERROR and self.invalid:  # any worker would fail it: not retried
+            return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"decode of {self.request_id}: {self.error}")
         if self.finish == FinishReason.ERROR:
             return ServiceError(grpc.StatusCode.INTERNAL, f"decode of {self.request_id} failed: {self.error}")
         if self.finish == FinishReason.CANCELLED:
@@ -70,6 +76,7 @@ class PendingEvent:
             self._first = False
         if self.finish is not None:
             msg.finish_reason = FINISH_TO_PB[self.finish]
+        self.num_tokens += len(self.token_ids)
         self.token_ids, self.logprobs = [], []
         return msg
 
@@ -152,12 +159,15 @@ class DecodeSession:
 
     def _start_checked(self, request: internal_pb2.DecodeRequest, key: str) -> None:
         w = self.w
+        # Many requests share this stream: each carries its own trace context.
+        spans = DecodeSpans(w, request, tracing.from_traceparent(request.traceparent))
         guard = contextlib.ExitStack()
         try:
             guard.enter_context(w.serving("Decode", key))
             job = w.check_decode(request)
         except (ServiceError, ValueError) as exc:
             guard.close()
+            spans.refused(exc)
             with self._lock:
                 self._starting.discard(key)
                 self._cancelled.discard(key)
@@ -172,14 +182,16 @@ class DecodeSession:
             if dropped:
                 self._cancelled.discard(key)
             else:
-                self._live[key] = (PendingEvent(job.request_id), request.attempt, guard)
+                self._live[key] = (PendingEvent(job.request_id, spans=spans), request.attempt, guard)
         if dropped:
             w.inbox.cancel(key)
             guard.close()
+            spans.refused("the session closed, or the router cancelled the request, before it started")
             return
         sink = lambda ev: self._out.put((key, ev))  # noqa: E731 - engine thread: a put, nothing more
 
         def submit(parked: bool) -> None:
+            spans.decoding(job)
             w.engine.submit(key, job.prompt, job.params, sink, seed=job.seed, output_ids=job.output, parked=parked)
             with self._lock:  # the stream closed, or the router cancelled it, meanwhile: nobody reads its tokens
                 gone = key not in self._live or key in self._cancelled
@@ -195,8 +207,10 @@ class DecodeSession:
             try:
                 w.check_kv(job, kv_len, job.kv_wait_s)
             except ServiceError as exc:
+                spans.refused(exc)
                 self._out.put((key, exc))
                 return
+            spans.claimed()
             entry = self._live.get(key)
             if entry is not None:
                 entry[0].kv_wait_s = time.perf_counter() - t0
@@ -230,10 +244,11 @@ class DecodeSession:
             self._closed = True
             live, self._live = self._live, {}
             self._cancelled.clear()
-        for key, (_, _, guard) in live.items():
+        for key, (pending, _, guard) in live.items():
             self.w.inbox.cancel(key)
             self.w.engine.cancel(key)
             guard.close()
+            pending.spans.ended(pending.num_tokens, FinishReason.CANCELLED)
         self._out.put(_END)
 
     # ---- events out (the RPC's thread)
@@ -275,6 +290,7 @@ class DecodeSession:
         if failed is None:
             ready.setdefault(key, None)
             return
+        pending.spans.ended(pending.num_tokens, pending.finish, failed.message)
         self._end(key)
         self.w.engine.cancel(key)  # a KV check that failed may leave the push parked: free it
         ready[key] = internal_pb2.SessionEvent(request_id=pending.request_id, attempt=attempt,
@@ -299,3 +315,4 @@ class DecodeSession:
             self._cancelled.discard(key)
         if entry is not None:
             entry[2].close()
+            entry[0].spans.ended(entry[0].num_tokens, entry[0].finish)  # a no-op after a failure

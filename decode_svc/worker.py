@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from common import grpc_common, metrics
+from common import grpc_common, metrics, tracing
 from common.engine.engine import EngineConfig, TokenEvent
 from common.engine.output import FinishReason
 from common.engine.sampling import SamplingParams
@@ -24,6 +24,7 @@ from common.worker import WorkerBase
 from decode_svc.inbox import KVInbox, seq_key
 from decode_svc.pushes import PushesInFlight
 from decode_svc.router_session import DecodeSession, PendingEvent
+from decode_svc.spans import BatchSizes, DecodeSpans
 from protos import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class DecodeWorker(WorkerBase):
         self.kv_server = None
         # Decode sessions' starts: their checks wait on Redis, never on a session's reader (router_session.py).
         self.start_pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="session-start")
+        self.batch_sizes: BatchSizes | None = None  # while tracing is on
 
     def _num_blocks(self) -> int:
         c = self.model.config
@@ -108,13 +110,19 @@ class DecodeWorker(WorkerBase):
     def _start_extra(self) -> None:
         pool = self.engine.pool
         self.pushes.max_bytes = self.fingerprint().kv_bytes(pool.num_blocks * pool.block_size)
+        if tracing.enabled():
+            self.batch_sizes = BatchSizes(self.engine)
+            self.engine.step_listeners.append(self.batch_sizes.record)
         # Decode's KV port is its own server: pushes never compete with Decode streams or health
         # probes for RPC slots, and a NetworkPolicy can open the port to prefill pods alone.
-        self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES)
+        self.kv_server = grpc_common.make_server(self.max_rpcs(), max_message_bytes=grpc_common.MAX_INTERNAL_MESSAGE_BYTES,
+                                                 interceptors=self.interceptors())
         internal_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self), self.kv_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.kv_server)  # same status as the main port
-        self.kv_port = grpc_common.bind(self.kv_server, self.config.host, self.config.kv_port, self.server_credentials,
-                                      flag="--kv-port")
+        # Credentials of its own: each port takes re-read TLS files at its own next handshake.
+        credentials = self.tls_files.server_credentials(require_client_cert=True) if self.tls_files else None
+        self.kv_port = grpc_common.bind(self.kv_server, self.config.host, self.config.kv_port, credentials,
+                                        flag="--kv-port")
         self.kv_server.start()
 
     def _stop_extra(self) -> None:
@@ -140,7 +148,8 @@ class DecodeWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=len(self.engine.running),
                           num_waiting=num_waiting, started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, identity=self.identity,
+                          **self.prefix_info())
 
     def max_kv_bytes(self) -> int:
         # The largest push a Decode could use: a prompt that fits the context and, with the token
@@ -159,6 +168,8 @@ class DecodeWorker(WorkerBase):
                                f"epoch {self.epoch!r} (it restarted); reserve again")
         cfg = self.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
+        if params.constraint is not None:
+            self.engine.grammars.check(params.constraint)  # compiled here, off the engine thread (then cached)
         prompt = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
         # Colocated, a new request has no completion yet; otherwise prefill sampled its first token.
         output = [] if request.prefill_here and not request.output_ids else check_token_ids(
@@ -248,38 +259,52 @@ class DecodeServicer(internal_pb2_grpc.DecodeWorkerServicer):
 
     def _decode(self, request, context):
         w = self.w
-        job = w.check_decode(request)
-        # Whatever ends this call (client gone, deadline), the KV must not be admitted later.
-        context.add_callback(lambda: (w.inbox.cancel(job.key), w.engine.cancel(job.key)))
-        t0 = time.perf_counter()
-        if not job.prefill_here:
-            wait_s = min(job.kv_wait_s, context.time_remaining() or job.kv_wait_s)
-            kv_len = w.inbox.take(job.key, wait_s, context.is_active)
-            if kv_len is None and not context.is_active():
-                return
-            w.check_kv(job, kv_len, wait_s)
+        spans = DecodeSpans(w, request, tracing.from_traceparent(request.traceparent)
+                            or tracing.extract(context.invocation_metadata()))
+        try:
+            job = w.check_decode(request)
+            # Whatever ends this call (client gone, deadline), the KV must not be admitted later.
+            context.add_callback(lambda: (w.inbox.cancel(job.key), w.engine.cancel(job.key)))
+            t0 = time.perf_counter()
+            if not job.prefill_here:
+                wait_s = min(job.kv_wait_s, context.time_remaining() or job.kv_wait_s)
+                kv_len = w.inbox.take(job.key, wait_s, context.is_active)
+                if kv_len is None and not context.is_active():
+                    spans.refused("the call ended before its K/V came")
+                    return
+                w.check_kv(job, kv_len, wait_s)
+        except Exception as exc:
+            spans.refused(exc)
+            raise
+        spans.claimed()
         kv_wait_s = time.perf_counter() - t0
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        spans.decoding(job)
         w.engine.submit(job.key, job.prompt, job.params, events.put, seed=job.seed, output_ids=job.output,
                         parked=not job.prefill_here)
         out = PendingEvent(job.request_id, kv_wait_s)
-        while True:
-            out.add(events.get())
-            # Drain what else is ready so a slow reader gets tokens in fewer, larger messages.
-            while out.finish is None:
-                try:
-                    out.add(events.get_nowait())
-                except queue.Empty:
-                    break
-            if out.finish == FinishReason.CANCELLED and not context.is_active():
-                return
-            failed = out.failure()
-            if failed is not None:
-                raise failed
-            finish = out.finish
-            yield out.take()
-            if finish is not None:
-                return
+        try:
+            while True:
+                out.add(events.get())
+                # Drain what else is ready so a slow reader gets tokens in fewer, larger messages.
+                while out.finish is None:
+                    try:
+                        out.add(events.get_nowait())
+                    except queue.Empty:
+                        break
+                if out.finish == FinishReason.CANCELLED and not context.is_active():
+                    return
+                failed = out.failure()
+                if failed is not None:
+                    spans.ended(out.num_tokens, out.finish, failed.message)
+                    raise failed
+                finish = out.finish
+                yield out.take()
+                if finish is not None:
+                    spans.ended(out.num_tokens, finish)
+                    return
+        finally:
+            spans.ended(out.num_tokens, FinishReason.CANCELLED)  # a no-op once ended: the call ended first
 
 
 class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
@@ -287,6 +312,15 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
         self.w = worker
 
     def PushKV(self, request_iterator, context):
+        # The sender's kv.push span is the parent (traceparent metadata).
+        span = tracing.start("kv.receive", tracing.extract(context.invocation_metadata()), kind=tracing.SERVER,
+                             attributes={"handoff.worker_id": self.w.config.worker_id})
+        with tracing.ending(span):
+            reply = self._receive(request_iterator, context, span)
+            span.set_attributes({"handoff.kv_bytes": reply.kv_bytes, "handoff.kv_tokens": reply.num_tokens})
+            return reply
+
+    def _receive(self, request_iterator, context, span) -> internal_pb2.PushKVReply:
         w = self.w
         wid = w.config.worker_id
         pushes = []  # the push once its header is admitted, counted in w.pushes until the loop below ends
@@ -321,6 +355,8 @@ class KVTransferServicer(internal_pb2_grpc.KVTransferServicer):
                 w.pushes.done(push)
         rid = receiver.request_id
         header = receiver.header
+        span.set_attributes({"handoff.request_id": rid, "handoff.attempt": header.attempt,
+                             "handoff.kv_segments": max(1, len(header.segment_tokens))})
         key = seq_key(rid, header.attempt)
         kv_bytes = kv.numel() * kv.element_size()
         metrics.KV_BYTES.labels(wid, "in").inc(kv_bytes)

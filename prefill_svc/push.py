@@ -23,7 +23,7 @@ import time
 import grpc
 import torch
 
-from common import grpc_common, metrics
+from common import grpc_common, metrics, tracing
 from common.grpc_common import ServiceError
 from common.kv_wire import encode_kv, encode_kv_segments
 from protos import internal_pb2, internal_pb2_grpc
@@ -47,9 +47,13 @@ def push_failed(worker_id: str, rid: str, target, exc: grpc.RpcError) -> Service
 
 
 class _Push:
-    """What both kinds share: the target, the prefix the decode worker holds, the send, the figures."""
+    """What both kinds share: the target, the prefix the decode worker holds, the send, the figures, and the
+    `kv.push` span (a child of the prefill's `trace` span; the decode worker's `kv.receive` is its child)."""
 
-    def __init__(self, worker, rid: str, target, context, prompt_len: int):
+    def __init__(self, worker, rid: str, target, context, prompt_len: int, trace=tracing.INVALID_SPAN):
+        self.span = tracing.start("kv.push", trace, kind=tracing.CLIENT, attributes={
+            "handoff.request_id": rid, "handoff.attempt": target.attempt, "handoff.decode_worker": target.worker_id,
+            "handoff.kv_address": target.kv_address, "handoff.prompt_tokens": prompt_len})
         self.w = worker
         self.rid = rid
         self.target = target
@@ -72,10 +76,12 @@ class _Push:
                                       timeout=min(2.0, self.context.time_remaining() or 2.0))
         except grpc.RpcError as exc:
             raise self._failed(exc) from exc
+        self.span.add_event("kv.cached_prefix", {"handoff.blocks": min(reply.num_blocks, len(hashes))})
         return min(reply.num_blocks, len(hashes))
 
     def _send(self, stub, chunks) -> internal_pb2.PushKVReply:
-        push = stub.PushKV.future(chunks, timeout=self.context.time_remaining())
+        push = stub.PushKV.future(chunks, timeout=self.context.time_remaining(),
+                                  metadata=tracing.metadata(self.span) or None)
         # The Prefill call ending (request cancelled, router gone) ends the push too.
         self.context.add_callback(push.cancel)
         self._on_open(push)
@@ -103,6 +109,7 @@ class _Push:
         except grpc.RpcError as exc:
             if not self.skip or exc.code() != grpc.StatusCode.ABORTED:
                 raise self._failed(exc) from exc
+        self.span.add_event("kv.resend", {"handoff.reason": "the cached prefix was evicted"})
         self.skip, self.num_segments = 0, 1
         try:
             return self._send_whole(stub, whole(), [])
@@ -120,24 +127,27 @@ class _Push:
         metrics.KV_SECONDS.labels(wid).observe(transfer_s)
         exposed_s = now - self.t_first if self.t_first is not None else 0.0
         metrics.KV_EXPOSED_SECONDS.labels(wid).observe(exposed_s)
+        self.span.set_attributes({"handoff.kv_bytes": reply.kv_bytes, "handoff.kv_segments": self.num_segments,
+                                  "handoff.skipped_tokens": self.skip * self.w.config.block_size,
+                                  "handoff.exposed_s": exposed_s})
         return internal_pb2.TransferDone(kv_bytes=reply.kv_bytes, num_chunks=-(-reply.kv_bytes // (1 << 20)),
                                          transfer_s=transfer_s, skipped_tokens=self.skip * self.w.config.block_size,
                                          exposed_s=exposed_s, num_segments=self.num_segments)
 
 
 def push_after(worker, rid: str, kv: torch.Tensor, block_hashes: list[bytes] | None, target, context,
-               t_first: float | None) -> internal_pb2.TransferDone:
+               t_first: float | None, trace=tracing.INVALID_SPAN) -> internal_pb2.TransferDone:
     """Push a prompt's whole K/V, prefilled already, less the leading blocks the decode worker holds."""
-    p = _Push(worker, rid, target, context, kv.shape[2])
+    p = _Push(worker, rid, target, context, kv.shape[2], trace)
     p.t_first = t_first
     bs = worker.config.block_size
-    with worker.kv_channels.use(target.kv_address, target.epoch) as ch:
+    with tracing.ending(p.span), worker.kv_channels.use(target.kv_address, target.epoch) as ch:
         stub = internal_pb2_grpc.KVTransferStub(ch)
         hashes = p._block_hashes(block_hashes)
         p.skip = p._cached_prefix(stub, hashes)
         reply = p._send_or_resend(stub, lambda: p._send_whole(stub, kv[:, :, p.skip * bs:], hashes[:p.skip]),
                                   lambda: kv)
-    return p._done(reply)
+        return p._done(reply)
 
 
 class StreamedPush(_Push):
@@ -151,8 +161,10 @@ class StreamedPush(_Push):
     prefilling for nobody.
     """
 
-    def __init__(self, worker, rid: str, target, context, prompt_ids: list[int], on_failure):
-        super().__init__(worker, rid, target, context, len(prompt_ids))
+    def __init__(self, worker, rid: str, target, context, prompt_ids: list[int], on_failure,
+                 trace=tracing.INVALID_SPAN):
+        super().__init__(worker, rid, target, context, len(prompt_ids), trace)
+        self._trace = trace  # the prefill's span: each chunk the engine hands over is an event of it
         self._prompt_ids = prompt_ids
         self._on_failure = on_failure
         self._pieces: list[tuple[int, int, torch.Tensor]] = []  # every piece, for a resend from token 0
@@ -172,6 +184,7 @@ class StreamedPush(_Push):
     # ---- the engine thread
 
     def put(self, start: int, end: int, kv: torch.Tensor) -> None:
+        self._trace.add_event("prefill.chunk", {"handoff.start": start, "handoff.end": end})
         self._pieces.append((start, end, kv))
         self._ready.put((start, end, kv))
 
@@ -199,7 +212,8 @@ class StreamedPush(_Push):
 
     def _run(self) -> None:
         try:
-            self._reply = self._push()
+            with tracing.ending(self.span):
+                self._reply = self._push()
         except BaseException as exc:  # noqa: BLE001 - handed to the servicer, which raises it
             self._error = exc
             if self.t_first is None:
@@ -252,6 +266,7 @@ class StreamedPush(_Push):
                 pending.append((start, end, kv))
                 have = max(have, end)
             parts = [kv[:, :, max(lo, s) - s:min(hi, e) - s] for s, e, kv in pending if e > lo and s < hi]
+            self.span.add_event("kv.segment", {"handoff.segment": k, "handoff.start": lo, "handoff.end": hi})
             yield parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
             pending = [(s, e, kv) for s, e, kv in pending if e > hi]
             k += 1

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from common import grpc_common, metrics
+from common import grpc_common, metrics, security, tracing
 from common.engine.engine import EngineConfig
 from common.grpc_common import ServiceError
 from common.engine.output import FinishReason
@@ -26,8 +26,8 @@ class PrefillWorker(WorkerBase):
     def __init__(self, config, state, **kwargs):
         super().__init__(config, state, **kwargs)
         # Channels to decode workers' KV ports; targets come with each request, pods come and go.
-        self.kv_channels = grpc_common.ChannelCache(credentials=self.channel_credentials,
-                                                  server_name=self.config.tls.server_name)
+        self.kv_channels = grpc_common.ChannelCache(
+            tls=security.ClientTLS(self.tls_files, "decode") if self.tls_files else None)
         self.stream_kv = self.config.stream_kv  # read per request: bench.token_path compares both on one worker
 
     def _num_blocks(self) -> int:
@@ -50,7 +50,8 @@ class PrefillWorker(WorkerBase):
                           epoch=self.epoch, model_id=self.model.weights_id, total_blocks=pool.num_blocks,
                           free_blocks=pool.num_free_blocks, num_running=self.num_inflight,
                           num_waiting=len(self.engine.waiting), started_at=self.started_at,
-                          block_size=self.config.block_size, metrics_port=self.metrics_port, **self.prefix_info())
+                          block_size=self.config.block_size, metrics_port=self.metrics_port, identity=self.identity,
+                          **self.prefix_info())
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         super().stop(drain_timeout_s)
@@ -63,14 +64,24 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
 
     def Prefill(self, request: internal_pb2.PrefillRequest, context):
         key = f"{request.request_id}#{request.target.attempt}"
-        with self.w.serving("Prefill", key):
-            yield from self._prefill(request, key, context)
+        # The router's attempt span is the parent (traceparent metadata); the KV push is a child.
+        span = tracing.start("prefill", tracing.extract(context.invocation_metadata()), kind=tracing.SERVER,
+                             attributes={"handoff.request_id": request.request_id,
+                                         "handoff.attempt": request.target.attempt,
+                                         "handoff.worker_id": self.w.config.worker_id,
+                                         "handoff.decode_worker": request.target.worker_id,
+                                         "handoff.prompt_tokens": len(request.prompt_ids),
+                                         "handoff.resumed_tokens": len(request.output_ids)})
+        with tracing.ending(span), self.w.serving("Prefill", key):
+            yield from self._prefill(request, key, context, span)
 
-    def _prefill(self, request, key: str, context):
+    def _prefill(self, request, key: str, context, span=tracing.INVALID_SPAN):
         w = self.w
         rid = check_request_id(request.request_id)
         cfg = w.model.config
         params, seed = sampling_from_pb(request.sampling, cfg.vocab_size)
+        if params.constraint is not None:
+            w.engine.grammars.check(params.constraint)  # compiled here, off the engine thread (then cached)
         ids = check_token_ids(request.prompt_ids, cfg.vocab_size, cfg.max_position - 1)
         resumed = list(request.output_ids)
         if resumed:
@@ -84,7 +95,7 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
         # is ready with the first token, so it goes after it, as one piece.
         push = None
         if w.stream_kv and len(ids) > w.config.prefill_chunk_tokens:
-            push = StreamedPush(w, rid, target, context, ids, on_failure=events.put).start()
+            push = StreamedPush(w, rid, target, context, ids, on_failure=events.put, trace=span).start()
         try:
             context.add_callback(lambda: w.engine.cancel(key))
             w.engine.submit(key, ids, params, events.put, seed=seed, output_ids=resumed,
@@ -96,6 +107,8 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
             if ev.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
                 if not context.is_active():
                     return
+                if ev.invalid:  # the request's constraint, not this worker: any worker would fail it
+                    raise ValueError(f"prefill of {rid}: {ev.error}")
                 raise ServiceError(grpc.StatusCode.INTERNAL if ev.finish_reason == FinishReason.ERROR
                                    else grpc.StatusCode.UNAVAILABLE, f"prefill of {rid} failed: {ev.error}")
             if resumed and ev.finish_reason is not None:
@@ -119,12 +132,14 @@ class PrefillServicer(internal_pb2_grpc.PrefillWorkerServicer):
                 if push is not None:
                     push.first_token_sent()
                 t_first = time.perf_counter()
+                span.add_event("first_token", {"handoff.finished": finished})
+                span.set_attributes({"handoff.cached_tokens": ev.cached_tokens, "handoff.prefill_s": prefill_s})
                 yield internal_pb2.PrefillEvent(first_token=first)
                 if finished:
                     return
             if context.is_active():
                 done = (push.result() if push is not None else
-                        push_after(w, rid, ev.kv, ev.block_hashes, target, context, t_first))
+                        push_after(w, rid, ev.kv, ev.block_hashes, target, context, t_first, trace=span))
                 yield internal_pb2.PrefillEvent(transfer_done=done)
         finally:
             if push is not None:

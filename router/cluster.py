@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
-from common import cli, settings
+from common import cli, pki, redis_acl, security, settings, tracing
 from common.engine.model import Llama
 from common.engine.model_files import DEFAULT_MODEL, resolve_model_path
 from common.redis_server import EmbeddedRedis, connect
@@ -39,7 +41,8 @@ class Cluster:
                  port: int = 0, redis_url: str | None = None, dtype: str = settings.default("dtype"),
                  device: str = settings.default("device"), kv_memory_gib: float = settings.default("kv_memory_gib"),
                  threads: int = 0, router: RouterConfig | None = None,
-                 worker: WorkerConfig | None = None, http_port: int = 0):
+                 worker: WorkerConfig | None = None, http_port: int = 0, tls_dir: str | None = None,
+                 redis_acl: bool = False, redis_credentials: dict[str, tuple[str, str]] | None = None):
         mode = (router or RouterConfig()).prefill_mode
         if num_decode < 1 or num_prefill < (1 if mode == "disaggregated" else 0):
             raise ValueError("a cluster needs at least one decode worker, and one prefill worker unless "
@@ -50,11 +53,19 @@ class Cluster:
         # The OpenAI-compatible HTTP API is on (http_port 0: a free port; -1: off).
         self.router_config = replace(router or RouterConfig(), host="127.0.0.1", port=port, model=model,
                                      redis_url=redis_url, http_port=http_port)
-        # TLS and API keys come in with `router` and `worker`; workers share one TLS config (and
-        # its certificate), and several workers cannot share one health port.
+        # API keys come in with `router`. TLS with tls_dir (python -m common.pki's files: each service gets the
+        # certificate of its role, the router's public port public.crt); several workers cannot share one
+        # health port.
         self.worker_config = replace(worker or WorkerConfig(role="prefill"), host="127.0.0.1", port=0,
                                      advertise_host="127.0.0.1", model=model, dtype=dtype, device=device,
                                      kv_memory_gib=kv_memory_gib, kv_port=0, metrics_port=-1, health_port=0)
+        self.tls_dir = tls_dir
+        # Least privilege in Redis whenever TLS is on, as in a deployment: an ACL user per role.
+        self.redis_acl = redis_acl or tls_dir is not None
+        self.redis_credentials = dict(redis_credentials or {})
+        if tls_dir is not None:
+            self.router_config = replace(self.router_config, tls=security.role_tls(
+                tls_dir, "router", require_client_cert=self.router_config.tls.require_client_cert))
         self.threads = threads
         self.redis: EmbeddedRedis | None = None
         self.prefill: list[PrefillWorker] = []
@@ -76,8 +87,8 @@ class Cluster:
         # Several engines share the cores: one intra-op thread each avoids OpenMP teams spinning
         # against each other, which costs far more than it gains on a small machine.
         torch.set_num_threads(self.threads or max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode)))
-        client, self.redis = connect(self.redis_url, password=cli.redis_password(), username=cli.redis_username())
-        self.state = StateStore(client)
+        self.states = self._connect()
+        self.state = self.states["router"]  # what the router uses; each worker has its role's
         path = resolve_model_path(self.model_name)
         weights = load_weights(path)
         model = Llama(weights.config, weights.tensors, dtype=parse_dtype(self.worker_config.dtype, self.worker_config.device),
@@ -88,16 +99,35 @@ class Cluster:
         trim_memory()
         tokenizer = load_tokenizer(path)
         for i in range(self.num_prefill):
-            cfg = replace(self.worker_config, role="prefill", worker_id=f"prefill-{i}")
-            self.prefill.append(PrefillWorker(cfg, self.state, model=model, tokenizer=tokenizer).start())
+            cfg = replace(self.worker_config, role="prefill", worker_id=f"prefill-{i}", tls=self._tls("prefill"))
+            self.prefill.append(PrefillWorker(cfg, self.states["prefill"], model=model, tokenizer=tokenizer).start())
         for i in range(self.num_decode):
-            cfg = replace(self.worker_config, role="decode", worker_id=f"decode-{i}")
-            self.decode.append(DecodeWorker(cfg, self.state, model=model, tokenizer=tokenizer).start())
+            cfg = replace(self.worker_config, role="decode", worker_id=f"decode-{i}", tls=self._tls("decode"))
+            self.decode.append(DecodeWorker(cfg, self.states["decode"], model=model, tokenizer=tokenizer).start())
         for w in self.prefill + self.decode:
             if not w.registration.registered.wait(10):
                 raise RuntimeError(f"worker {w.config.worker_id} did not register in Redis within 10 s")
-        self.router = RouterServer(replace(self.router_config, redis_url=self.redis_url), self.state).start()
+        self.router = RouterServer(replace(self.router_config, redis_url=self.redis_url), self.states["router"]).start()
         return self
+
+    def _connect(self) -> dict[str, StateStore]:
+        """A store per role (router, prefill, decode, operator). With redis_acl (implied by tls_dir) and no
+        redis_url, the embedded Redis has an ACL user per role (common/redis_acl.py) and each service connects
+        as its own; with a redis_url, redis_credentials (role -> (username, password)) does the same, else
+        every service is the environment's REDIS_USERNAME / REDIS_PASSWORD."""
+        if self.redis_url is None and self.redis_acl:
+            self.redis = EmbeddedRedis(acl_users={role: secrets.token_urlsafe(24) for role in redis_acl.ROLES}).start()
+            self.redis_url = f"redis://127.0.0.1:{self.redis.port}/0"
+            self.redis_credentials = {role: self.redis.credentials(role) for role in redis_acl.ROLES}
+            self.router_config = replace(self.router_config, redis_url=self.redis_url)
+        if self.redis_credentials:
+            return {role: StateStore(connect(self.redis_url, username=user, password=password)[0])
+                    for role, (user, password) in self.redis_credentials.items()}
+        client, self.redis = connect(self.redis_url, password=cli.redis_password(), username=cli.redis_username())
+        return dict.fromkeys(redis_acl.ROLES, StateStore(client))
+
+    def _tls(self, role: str):
+        return self.worker_config.tls if self.tls_dir is None else security.role_tls(self.tls_dir, role)
 
     def stop(self, drain_timeout_s: float = 5.0) -> None:
         if self.router:
@@ -117,6 +147,15 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def write_operator_env(cluster: Cluster) -> Path:
+    """REDIS_USERNAME and REDIS_PASSWORD of the operator's ACL user, in a file only this user may read (never
+    on the terminal or in a log), removed with the embedded Redis's folder."""
+    user, password = cluster.redis_credentials["operator"]
+    path = Path(cluster.redis.folder) / "operator.env"
+    pki.write_private(path, f"REDIS_USERNAME={user}\nREDIS_PASSWORD={password}\n".encode())
+    return path
 
 
 # The one-shot answer's sampling when neither the command nor the model's files set any: a 135M model at
@@ -164,10 +203,14 @@ def main(argv=None) -> None:
     from router import client
 
     args, router, worker = parse_args(argv)
+    try:
+        tracing.configure("handoff-cluster")
+    except tracing.TracingConfigError as exc:
+        raise SystemExit(f"router.cluster: {exc}") from None
     cluster = Cluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, port=args.port,
                       redis_url=args.redis_url, dtype=args.dtype, device=args.device,
                       kv_memory_gib=args.kv_memory_gib, threads=args.threads, router=router, worker=worker,
-                      http_port=args.http_port)
+                      http_port=args.http_port, redis_acl=args.redis_acl)
     dtype = DTYPE_NAMES[parse_dtype(args.dtype)]
     why = f", {auto_dtype()[1]}" if args.dtype == "auto" else ""
     print(f"starting: {args.prefill} prefill + {args.decode} decode workers ({args.prefill_mode}), "
@@ -176,6 +219,10 @@ def main(argv=None) -> None:
     cluster.start()
     print(f"handoff cluster serving Generate on {cluster.address}"
           + (f", the OpenAI API at {cluster.http_url}" if args.http_port >= 0 else ""), file=sys.stderr)
+    if cluster.redis is not None and cluster.redis_credentials:
+        path = write_operator_env(cluster)
+        print(f"Redis ACLs on (a user per role); the operator's credentials: set -a; . {path}; set +a; "
+              f"python -m router.status --redis-url {cluster.redis_url}", file=sys.stderr)
     try:
         if args.prompt or args.message:
             if args.prompt and not args.message:
@@ -193,6 +240,7 @@ def main(argv=None) -> None:
             stop.wait()
     finally:
         cluster.stop()
+        tracing.close()
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ class RouterConfig:
     # TLS on the channels to the workers.
     tls: TLSConfig = TLSConfig()
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty = no API key needed; never printed
+    # Where the keys came from: the file is re-read when it changes (the keys of HANDOFF_API_KEYS stay).
+    api_keys_file: str | None = None
+    api_keys_env: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -117,8 +120,10 @@ class RouterConfig:
     @classmethod
     def from_settings(cls, args: dict) -> "RouterConfig":
         """The router's fields of parsed settings (router.cluster's carry the workers' too)."""
-        names = {f.name for f in fields(cls)} - {"tls", "api_keys"}
+        names = {f.name for f in fields(cls)} - {"tls", "api_keys", "api_keys_env"}
         api_keys = security.read_api_keys(args.get("api_keys_file"), cli.api_keys_env())
-        config = cls(tls=cli.tls_config(args), api_keys=api_keys, **{k: v for k, v in args.items() if k in names})
-        security.check(config.tls)
+        config = cls(tls=cli.tls_config(args), api_keys=api_keys,
+                     api_keys_env=security.read_api_keys(None, cli.api_keys_env()),
+                     **{k: v for k, v in args.items() if k in names})
+        security.check(config.tls, "router")
         return config

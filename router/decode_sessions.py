@@ -105,6 +105,7 @@ class Session:
         self._requests: asyncio.Queue = asyncio.Queue()  # SessionRequest, None to end the stream
         self._calls: dict[tuple[str, int], SessionCall] = {}
         self.broken: SessionError | None = None
+        self._retiring = False  # replaced: closes once its last request has ended
         self._stream = internal_pb2_grpc.DecodeWorkerStub(channel).DecodeSession(self._outgoing())
         self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"session-{worker.worker_id}")
 
@@ -124,6 +125,14 @@ class Session:
     def forget(self, call: SessionCall) -> None:
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
+        if self._retiring and not self._calls:
+            self.close()
+
+    def close_when_idle(self) -> None:
+        """No new requests come here (a session with newer TLS files took over): end once the last one has."""
+        self._retiring = True
+        if not self._calls:
+            self.close()
 
     async def _outgoing(self):
         while (request := await self._requests.get()) is not None:
@@ -166,10 +175,9 @@ class Session:
 class DecodeSessions:
     """This router's sessions, one per decode worker epoch, opened on first use and again after a break."""
 
-    def __init__(self, *, credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None):
-        self._credentials = credentials
-        self._server_name = server_name
-        self._sessions: dict[tuple[str, str], Session] = {}
+    def __init__(self, *, tls=None):
+        self._tls = tls  # a security.ClientTLS for decode workers, or None (plaintext)
+        self._sessions: dict[tuple[str, str, int], Session] = {}
         self._closing: set[asyncio.Task] = set()  # readers of replaced sessions, until they end
 
     def start(self, worker: WorkerInfo, request: internal_pb2.DecodeRequest, deadline: float) -> SessionCall:
@@ -181,21 +189,31 @@ class DecodeSessions:
             request_id=request_id, attempt=attempt)))
 
     def _session(self, worker: WorkerInfo) -> Session:
-        key = (worker.address, worker.epoch)
+        credentials, generation = self._tls.credentials() if self._tls is not None else (None, 0)
+        key = (worker.address, worker.epoch, generation)
         # A broken session (worker gone, restarted) is replaced; those of other epochs of the same
-        # address are dropped, so sessions do not pile up as pods come and go.
+        # address are dropped, so sessions do not pile up as pods come and go. After the TLS files are
+        # re-read, new requests go on a new session; the old one is left to its requests in flight.
         for k, s in list(self._sessions.items()):
-            if s.broken is not None or (k[0] == key[0] and k != key):
-                del self._sessions[k]
-                s.close()
-                self._closing.add(s.reader)
-                s.reader.add_done_callback(self._closing.discard)
+            if s.broken is not None or (k[0] == key[0] and k[1] != key[1]):
+                self._retire(k)
+            elif k[0] == key[0] and k != key:
+                self._retire(k, once_idle=True)
         session = self._sessions.get(key)
         if session is None:
-            channel = grpc_common.channel(worker.address, credentials=self._credentials,
-                                        server_name=self._server_name, aio=True)
+            channel = grpc_common.channel(worker.address, credentials=credentials,
+                                          server_name=self._tls.server_name if self._tls else None, aio=True)
             session = self._sessions[key] = Session(channel, worker)
         return session
+
+    def _retire(self, key: tuple[str, str, int], once_idle: bool = False) -> None:
+        s = self._sessions.pop(key)
+        if once_idle:
+            s.close_when_idle()
+        else:
+            s.close()
+        self._closing.add(s.reader)
+        s.reader.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         sessions, self._sessions = list(self._sessions.values()), {}

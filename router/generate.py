@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from common import grpc_common, metrics, security
+from common import grpc_common, metrics, security, tracing
 from common.grpc_common import ServiceError
 from common.engine.output import FinishReason, OutputProcessor
 from common.state import RequestState, StateStore, StateUnavailable, WorkerInfo
@@ -78,12 +78,12 @@ class Router:
                                    queue_timeout_s=config.queue_timeout_s, max_queued=config.max_queued,
                                    routing=config.routing, cache_balance=config.cache_balance)
         self.leases = LeaseKeeper(state, config.lease_ttl_s)
-        # The router's own certificate is its client certificate towards the workers (mutual TLS).
-        self.channels = grpc_common.AioChannelCache(credentials=security.channel_credentials(config.tls),
-                                                  server_name=config.tls.server_name)
+        # The router's own certificate is its client certificate towards the workers (mutual TLS), whose
+        # certificates must name their role; channels opened after a rotation use the new files.
+        files = security.tls_files(config.tls)
+        self.channels = grpc_common.AioChannelCache(tls=security.ClientTLS(files, "prefill") if files else None)
         # Decode streams: one DecodeSession per decode worker carries all of this router's requests there.
-        self.sessions = DecodeSessions(credentials=security.channel_credentials(config.tls),
-                                       server_name=config.tls.server_name)
+        self.sessions = DecodeSessions(tls=security.ClientTLS(files, "decode") if files else None)
         self.calls: set[GenerateCall] = set()  # in flight (recorded in Redis, not yet ended)
 
     async def validate(self, request: handoff_pb2.GenerateRequest) -> ValidRequest:
@@ -115,7 +115,9 @@ class RouterServicer(handoff_pb2_grpc.RouterServicer):
             req = await self.router.validate(request)
             remaining = context.time_remaining()
             client_deadline = None if remaining is None else time.monotonic() + remaining
-            await GenerateCall(self.router, req, client_deadline).run(context.write)
+            # A caller's traceparent (gRPC metadata) makes this request a part of its trace.
+            trace_parent = tracing.extract(context.invocation_metadata())
+            await GenerateCall(self.router, req, client_deadline, trace_parent).run(context.write)
         except (ServiceError, ValueError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # a bug: the log gets its text and traceback (the interceptor), the client not
@@ -138,10 +140,15 @@ def _unreachable(exc: StateUnavailable, what: str) -> ServiceError:
 class GenerateCall:
     """One request's life: its attempts, the tokens relayed so far, its terminal state."""
 
-    def __init__(self, router: Router, req: ValidRequest, client_deadline: float | None):
+    def __init__(self, router: Router, req: ValidRequest, client_deadline: float | None, trace_parent=None):
         self.r = router
         self.req = req
         self.rid = req.request_id
+        # Tracing (common/tracing.py): the caller's context, this request's `generate` span and the current
+        # attempt's; with tracing off both are the no-op span and trace_id is "".
+        self.trace_parent = trace_parent
+        self.span = self.attempt_span = tracing.INVALID_SPAN
+        self.trace_id = ""
         # time.monotonic() when the client stops waiting (its gRPC deadline, the HTTP timeout); None: never.
         self.client_deadline = client_deadline
         self.out = OutputProcessor(router.tokenizer, req.params, len(req.prompt_ids),
@@ -163,7 +170,7 @@ class GenerateCall:
         try:
             self.r.state.transition(self.rid, state, **fields)
         except StateUnavailable as exc:
-            log.warning("%s: could not record %s: %s", self.rid, state, exc)
+            log.warning("%s: could not record %s: %s", self.tag, state, exc)
 
     async def _record(self, state: RequestState, **fields) -> None:
         await self.r.blocking.run(self._record_now, state, **fields)
@@ -176,7 +183,7 @@ class GenerateCall:
         try:
             await self.r.blocking.run(self.r.state.release, lease.worker.worker_id, self.rid)
         except StateUnavailable as exc:
-            log.warning("%s: could not release lease (it expires in %.0f s): %s", self.rid,
+            log.warning("%s: could not release lease (it expires in %.0f s): %s", self.tag,
                         self.r.config.lease_ttl_s, exc)
 
     def _lease_lost_on_keeper(self, reason: str) -> None:
@@ -200,13 +207,33 @@ class GenerateCall:
         self._calls.append(call)
         return call
 
+    @property
+    def tag(self) -> str:
+        """How log lines name the request: its id, and its trace id when it is traced."""
+        return f"{self.rid} (trace {self.trace_id})" if self.trace_id else self.rid
+
     def _client_gone(self) -> bool:
         return self.client_deadline is not None and time.monotonic() >= self.client_deadline
 
     # ---- the request
 
     async def run(self, send: Send) -> None:
-        """Serve the request, handing each message to `send` (gRPC's context.write, the HTTP front's queue)."""
+        """Serve the request, handing each message to `send` (gRPC's context.write, the HTTP front's queue).
+        Traced, it is the `generate` span, and a failure's message names the trace."""
+        self.span = tracing.start("generate", self.trace_parent, kind=tracing.SERVER, attributes={
+            "handoff.request_id": self.rid, "handoff.prompt_tokens": len(self.req.prompt_ids),
+            "handoff.max_tokens": self.req.params.max_tokens})
+        self.trace_id = tracing.trace_id(self.span)
+        with tracing.ending(self.span):
+            try:
+                await self._run(send)
+            except ServiceError as exc:
+                if not self.trace_id:
+                    raise
+                raise ServiceError(exc.code, f"{exc.message} (trace {self.trace_id})", exc.trailers,
+                                   detail=exc.detail) from exc
+
+    async def _run(self, send: Send) -> None:
         cfg = self.r.config
         self._send = self._writer(send)
         self._loop = asyncio.get_running_loop()
@@ -222,10 +249,10 @@ class GenerateCall:
             created = await self.r.blocking.run(
                 self.r.state.create_request, self.rid, prompt_tokens=len(self.req.prompt_ids),
                 max_tokens=self.req.params.max_tokens, router_id=self.r.router_id, seed=str(self.req.seed),
-                undo=never_served)
+                **({"trace_id": self.trace_id} if self.trace_id else {}), undo=never_served)
         except StateUnavailable as exc:
             error = _unreachable(exc, "")
-            log.warning("%s: %s", self.rid, error.detail)
+            log.warning("%s: %s", self.tag, error.detail)
             raise self._public(error) from exc
         if not created:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
@@ -245,7 +272,7 @@ class GenerateCall:
             raise
         except _StreamClosed as exc:  # nothing more can reach the client: end quietly, as cancelled
             reason = FinishReason.CANCELLED
-            log.info("%s: cancelled after %d tokens, its stream is closed (%s)", self.rid, len(self.generated), exc)
+            log.info("%s: cancelled after %d tokens, its stream is closed (%s)", self.tag, len(self.generated), exc)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             raise
@@ -281,6 +308,8 @@ class GenerateCall:
             await self._record(_TERMINAL[reason], **fields)
             await self._release()  # after the record: a request in flight always holds its lease
         finally:
+            self.span.set_attributes({"handoff.completion_tokens": len(self.generated),
+                                      "handoff.finish_reason": reason.value})
             metrics.ROUTER_RUNNING.dec()
             metrics.REQUESTS.labels(reason.value).inc()
             metrics.E2E.observe(time.perf_counter() - self.t_arrival)
@@ -291,23 +320,31 @@ class GenerateCall:
         failures: list[str] = []
         exclude: Excluded = set()
         for attempt in range(1, self.r.config.max_attempts + 1):
-            try:
-                return await self._attempt(attempt, deadline, exclude)
-            except _AttemptFailed as exc:
-                # Whatever the failed attempt still has open downstream must stop now.
-                self._cancel_calls()
-                failures.append(str(exc))
-                if exc.role in ("prefill", "decode"):
-                    exclude.add((exc.worker_id, exc.epoch))
-                metrics.RETRIES.labels(exc.role).inc()
-                log.warning("%s: attempt %d failed (%s); %s", self.rid, attempt, exc,
-                            "retrying" if attempt < self.r.config.max_attempts else "giving up")
-                # The decode reservation is kept for the retry unless decode (or the lease) failed.
-                if exc.role in ("decode", "lease"):
-                    await self._release()
-            except StateUnavailable as exc:
-                raise _unreachable(exc, f" while choosing workers ({len(self.generated)} tokens streamed)") \
-                    from exc
+            # One span per attempt: its workers, and the cause when it fails over.
+            span = self.attempt_span = tracing.start("attempt", self.span, attributes={
+                "handoff.attempt": attempt, "handoff.resumed_tokens": len(self.generated)})
+            with tracing.ending(span):
+                try:
+                    return await self._attempt(attempt, deadline, exclude)
+                except _AttemptFailed as exc:
+                    # Whatever the failed attempt still has open downstream must stop now.
+                    self._cancel_calls()
+                    failures.append(str(exc))
+                    if exc.role in ("prefill", "decode"):
+                        exclude.add((exc.worker_id, exc.epoch))
+                    metrics.RETRIES.labels(exc.role).inc()
+                    retrying = attempt < self.r.config.max_attempts
+                    log.warning("%s: attempt %d failed (%s); %s", self.tag, attempt, exc,
+                                "retrying" if retrying else "giving up")
+                    span.set_attributes({"handoff.failed.role": exc.role, "handoff.failed.worker_id": exc.worker_id,
+                                         "handoff.retrying": retrying})
+                    tracing.fail(span, str(exc))
+                    # The decode reservation is kept for the retry unless decode (or the lease) failed.
+                    if exc.role in ("decode", "lease"):
+                        await self._release()
+                except StateUnavailable as exc:
+                    raise _unreachable(exc, f" while choosing workers ({len(self.generated)} tokens streamed)") \
+                        from exc
             if self._client_gone():
                 return FinishReason.CANCELLED
         what = f"failed on {len(failures)} attempts (the retry budget) after {len(self.generated)} tokens"
@@ -321,9 +358,13 @@ class GenerateCall:
         if self.lease is None:
             t_queue = time.perf_counter()
             metrics.ROUTER_WAITING.inc()
+            num_tokens = len(req.prompt_ids) + req.params.max_tokens
             try:
-                lease = await r.picker.reserve_decode(self.rid, len(req.prompt_ids) + req.params.max_tokens,
-                                                      deadline, exclude)
+                with tracing.ending(tracing.start("reserve", self.attempt_span,
+                                                  attributes={"handoff.kv_tokens": num_tokens})) as span:
+                    lease = await r.picker.reserve_decode(self.rid, num_tokens, deadline, exclude, trace=span)
+                    span.set_attributes({"handoff.decode_worker": lease.worker.worker_id,
+                                         "handoff.kv_blocks": lease.num_blocks})
             finally:
                 metrics.ROUTER_WAITING.dec()
             metrics.QUEUE.observe(time.perf_counter() - t_queue)
@@ -332,11 +373,14 @@ class GenerateCall:
             r.leases.hold(self.rid, lease.worker.worker_id, lease.worker.epoch, lease.num_blocks,
                           self._lease_lost_on_keeper)
         dw = self.lease.worker
+        self.attempt_span.set_attribute("handoff.decode_worker", dw.worker_id)
         if await self._prefill_here(exclude):
             metrics.PLACEMENT.labels("local").inc()
+            self.attempt_span.set_attribute("handoff.prefill_placement", "local")
             return await self._relay_local(attempt, dw, deadline)
         pw, _ = await r.picker.pick_prefill(deadline, exclude, req.prompt_ids)
         metrics.PLACEMENT.labels("remote").inc()
+        self.attempt_span.set_attributes({"handoff.prefill_placement": "remote", "handoff.prefill_worker": pw.worker_id})
         queued = r.picker.queued_prefill(pw.worker_id, len(req.prompt_ids))
         try:
             with r.channels.use(pw.address, pw.epoch) as prefill_ch:
@@ -382,7 +426,7 @@ class GenerateCall:
         return self._track(r.sessions.start(dw, internal_pb2.DecodeRequest(
             request_id=self.rid, epoch=dw.epoch, prompt_ids=req.prompt_ids, output_ids=self.generated,
             attempt=attempt, sampling=sampling, kv_wait_s=0 if prefill_here else r.config.kv_wait_s,
-            prefill_here=prefill_here), deadline))
+            prefill_here=prefill_here, traceparent=tracing.traceparent(self.attempt_span)), deadline))
 
     async def _relay(self, attempt: int, pw, dw, prefill_ch: grpc.aio.Channel, deadline: float,
                      queued) -> FinishReason:
@@ -401,7 +445,7 @@ class GenerateCall:
                 request_id=self.rid, prompt_ids=req.prompt_ids, sampling=sampling, output_ids=resumed,
                 target=internal_pb2.KVTarget(worker_id=dw.worker_id, kv_address=dw.kv_address, epoch=dw.epoch,
                                              reservation_id=self.rid, attempt=attempt)),
-            timeout=self._timeout(deadline)))
+            timeout=self._timeout(deadline), metadata=tracing.metadata(self.attempt_span) or None))
         prefill_fields = {}
         try:
             if not resumed:

@@ -1,7 +1,7 @@
 """The router's OpenAI-compatible HTTP port: Starlette on uvicorn, in front of the same GenerateCall as gRPC.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events with "stream": true)
-    GET  /v1/models, GET /health, GET /metrics
+    GET  /v1/models, GET /health      (metrics are on --metrics-port, never on this public port)
 
 A request is parsed (router/openai_schema.py), validated by the router's RequestValidator and served by one
 GenerateCall per choice, exactly as Generate serves a gRPC call: records in Redis, leases, failover,
@@ -29,13 +29,12 @@ from dataclasses import replace
 
 import grpc
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from common import metrics, security
+from common import metrics, security, tracing
 from common.engine.model_files import served_name
 from common.engine.sampling import MAX_SEED, derive_seed
 from common.grpc_common import PortInUse, ServiceError
@@ -76,7 +75,8 @@ class Generations:
     """The GenerateCalls of one HTTP request (one per choice), each a task on the loop. Their messages,
     failures and ends arrive in order on one asyncio queue as (choice, GenerateResponse | Exception | _END)."""
 
-    def __init__(self, router: Router, reqs: list[ValidRequest], timeout_s: float, deadline: float, slots: _Slots):
+    def __init__(self, router: Router, reqs: list[ValidRequest], timeout_s: float, deadline: float, slots: _Slots,
+                 trace_parent=None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.timeout_s = timeout_s
         self.deadline = deadline  # time.monotonic() when the request must be over
@@ -87,7 +87,8 @@ class Generations:
         self._slots = slots
         self._tasks = []
         for index, req in enumerate(reqs):
-            task = asyncio.create_task(GenerateCall(router, req, deadline).run(functools.partial(self._put, index)))
+            task = asyncio.create_task(GenerateCall(router, req, deadline, trace_parent).run(
+                functools.partial(self._put, index)))
             # A callback, not a finally: a task cancelled before it started runs none of its code.
             task.add_done_callback(functools.partial(self._ended, index))
             self._tasks.append(task)
@@ -139,7 +140,6 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._no_route, 405: self._no_route})
 
     # ---- routes
@@ -163,9 +163,6 @@ class OpenAIApp:
         return self._respond(request, JSONResponse({"status": "ok" if ready else "not serving"},
                                                    status_code=200 if ready else 503))
 
-    async def metrics(self, request: Request) -> Response:
-        return self._respond(request, Response(generate_latest(), media_type=CONTENT_TYPE_LATEST))
-
     async def _no_route(self, request: Request, exc) -> Response:
         status = getattr(exc, "status_code", 404)
         what = "no such route" if status == 404 else f"{request.method} is not allowed here"
@@ -186,7 +183,7 @@ class OpenAIApp:
             parsed = openai_schema.parse_request(body, chat=chat, model_names=self.model_names)
             response_id = request.headers.get(REQUEST_ID_HEADER) or \
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            gens = await self._start(parsed, response_id, timeout_s, deadline)
+            gens = await self._start(request, parsed, response_id, timeout_s, deadline)
         except APIError as exc:
             return self._error(request, exc)
         except Exception:  # noqa: BLE001 - a bug answers 500, never a dropped connection
@@ -212,7 +209,7 @@ class OpenAIApp:
             if not streaming:  # after a failure, or this task cancelled (the server stopping): stop what runs
                 gens.cancel()
 
-    async def _start(self, parsed: ParsedRequest, request_id: str, timeout_s: float,
+    async def _start(self, request: Request, parsed: ParsedRequest, request_id: str, timeout_s: float,
                      deadline: float) -> Generations:
         """Validate (on the blocking pool: chat templates and tokenization are CPU work) and start every choice."""
         n = parsed.n
@@ -228,9 +225,15 @@ class OpenAIApp:
             try:
                 valid = await self.router.validate(pb)
             except ValueError as exc:
-                raise APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                message = str(exc)
+                if message.startswith("structured_output") and parsed.constraint_param:
+                    # Named as the body named it: response_format, structured_outputs or a guided_* extra.
+                    message = parsed.constraint_param + message[len("structured_output"):]
+                    raise openai_schema.bad_param(parsed.constraint_param, message) from None
+                raise APIError.from_status(grpc.StatusCode.INVALID_ARGUMENT, message) from None
+            # A caller's traceparent header makes each choice's generation a part of its trace.
             gens = Generations(self.router, _choices(valid, n, seeded=pb.HasField("seed")), timeout_s, deadline,
-                               self.slots)
+                               self.slots, tracing.extract(request.headers))
             started = True
             return gens
         finally:
@@ -358,7 +361,7 @@ class OpenAIApp:
         return response
 
 
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
 
 
 def _choices(valid: ValidRequest, n: int, *, seeded: bool) -> list[ValidRequest]:
@@ -473,7 +476,7 @@ class HTTPServer:
             raise PortInUse(f"cannot listen on {cfg.host}:{cfg.http_port}: another process uses it; choose "
                             f"another with --http-port (0 picks a free one, -1 turns HTTP off)") from None
         self.port = sock.getsockname()[1]
-        tls = cfg.tls
+        tls = cfg.tls.public  # the public certificate (--public-tls-cert), as on the gRPC port
         config = uvicorn.Config(
             self.api.app, log_level="warning", access_log=False, http="h11", loop="none", ws="none",
             lifespan="off", timeout_graceful_shutdown=cfg.drain_timeout_s,
@@ -482,6 +485,9 @@ class HTTPServer:
             ssl_certfile=tls.cert, ssl_keyfile=tls.key,
             ssl_ca_certs=tls.ca if tls.require_client_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE)
+        config.load()
+        if config.ssl is not None:  # certificates re-read when they change, as on the gRPC port
+            security.rotating_ssl_context(config.ssl, tls, require_client_cert=tls.require_client_cert)
         self._server = uvicorn.Server(config)
         # Off the main thread uvicorn installs no signal handlers: the router's owner handles signals.
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="router-http")

@@ -7,6 +7,7 @@ a gRPC request does. This module checks only what JSON adds (types, parameter na
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import grpc
 from common.engine.sampling import MAX_LOGPROBS, MAX_SEED
 from common.engine.tokenizer import Tokenizer
 from protos import handoff_pb2
+from router.tools import ToolCallParser, parse_tool_calls
 
 MAX_N = 16  # choices per request; each is a generation of its own
 _INT32 = (-2**31, 2**31 - 1)
@@ -29,11 +31,8 @@ _UNSUPPORTED = {
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
-    "functions": lambda v: not v,
+    "functions": lambda v: not v,  # the deprecated form of tools
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "audio": lambda v: not v,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: not v,
@@ -88,8 +87,8 @@ def bad_param(param: str | None, message: str) -> APIError:
 # The GenerateRequest fields RequestValidator's messages start with; some under another OpenAI name.
 _KNOWN_FIELDS = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "request_id",
-                 "ignore_eos", "logprobs", "top_logprobs", "prompt_token_ids"}
-_PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None}
+                 "ignore_eos", "logprobs", "top_logprobs", "prompt_token_ids", "tools", "tool_choice", "tool_name"}
+_PARAM_OF_FIELD = {"prompt_token_ids": "prompt", "request_id": None, "tool_name": "tool_choice"}
 _FIELD_RE = re.compile(r"[a-z_]+(\[\d+\](\.[a-z_]+)?)?")
 
 
@@ -118,6 +117,8 @@ class ParsedRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: bool  # the answer carries logprobs (request.top_logprobs alternatives each)
     return_token_ids: bool = False  # vLLM's extension: each choice lists its completion token ids too
+    constraint_param: str | None = None  # the parameter that asked for request.structured_output
+    tool_calls: bool = False  # the answer's text is parsed into message.tool_calls (tools given, not "none")
 
 
 class _Body:
@@ -170,8 +171,10 @@ def parse_request(body: object, *, chat: bool, model_names: Sequence[str]) -> Pa
                        param="model", code="model_not_found")
     for name, unused in _UNSUPPORTED.items():
         if not unused(body.get(name)):
-            raise bad_param(name, f"{name} is not supported by this server")
+            raise bad_param(name, f"{name} is not supported by this server (use tools and tool_choice)")
     req = handoff_pb2.GenerateRequest()
+    constraint_param = _set_structured_output(req, body)
+    tool_calls = _set_tools(req, body, chat)
     if chat:
         req.messages.extend(_messages(body.get("messages")))
         max_tokens = p.int("max_completion_tokens")
@@ -214,7 +217,126 @@ def parse_request(body: object, *, chat: bool, model_names: Sequence[str]) -> Pa
     include_usage = bool(_Body(options or {}).bool("include_usage"))
     logprobs = _set_logprobs(req, p, chat)
     return ParsedRequest(chat=chat, request=req, n=n, stream=stream, include_usage=include_usage,
-                         logprobs=logprobs, return_token_ids=bool(p.bool("return_token_ids")))
+                         logprobs=logprobs, return_token_ids=bool(p.bool("return_token_ids")),
+                         constraint_param=constraint_param, tool_calls=tool_calls)
+
+
+# vLLM's structured_outputs object (and its older top-level guided_* extras): which StructuredOutput field each sets.
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+               "json_object": "json_object"}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _set_structured_output(req: handoff_pb2.GenerateRequest, body: dict) -> str | None:
+    """response_format json_object / json_schema, vLLM's structured_outputs or guided_* extras, into
+    req.structured_output; the parameter that set it (errors name it), or None. Their compiling is the
+    validator's (RequestValidator), as for a gRPC request."""
+    asked = [name for name in ("response_format", "structured_outputs", *_GUIDED) if body.get(name) is not None]
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "text" and set(fmt) <= {"type"}:
+        asked.remove("response_format")
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad_param(asked[1], f"give one of {' and '.join(asked)}, not both: each constrains the whole output")
+    name = asked[0]
+    out = req.structured_output
+    if name == "response_format":
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad_param("response_format", 'response_format must be {"type": "text"}, {"type": "json_object"} '
+                                               'or {"type": "json_schema", "json_schema": {...}}')
+        if fmt["type"] == "json_object":
+            out.json_object = True
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise bad_param("response_format", "response_format.json_schema must be an object with name and "
+                                                   "schema")
+            schema = spec.get("schema", {})  # OpenAI's default: no schema is any JSON value
+            if not isinstance(schema, (dict, bool)):
+                raise bad_param("response_format", "response_format.json_schema.schema must be a JSON schema "
+                                                   "object")
+            if not isinstance(spec.get("strict", False), (bool, type(None))):
+                raise bad_param("response_format", "response_format.json_schema.strict must be true or false")
+            out.json_schema = json.dumps(schema)  # strict or not, the schema is enforced
+        else:
+            raise bad_param("response_format", 'response_format {"type": "text"} takes no other keys')
+        return name
+    spec = body[name]
+    if name in _GUIDED:
+        spec = {_GUIDED[name]: spec}
+    elif not isinstance(spec, dict):
+        raise bad_param(name, f"{name} must be an object with one of {', '.join(_VLLM_KINDS)}")
+    kinds = [k for k, v in spec.items() if v is not None and v is not False]
+    unknown = [k for k in kinds if k not in _VLLM_KINDS]
+    if unknown:
+        raise bad_param(name, f"{name}.{unknown[0]} is not supported by this server (supported: "
+                              f"{', '.join(_VLLM_KINDS)})")
+    if len(kinds) != 1:
+        raise bad_param(name, f"{name} must set exactly one of {', '.join(_VLLM_KINDS)}, got "
+                              f"{', '.join(kinds) or 'none'}")
+    kind, value = kinds[0], spec[kinds[0]]
+    field = _VLLM_KINDS[kind]
+    if kind == "json":
+        if isinstance(value, str):
+            out.json_schema = value
+        elif isinstance(value, (dict, bool)):
+            out.json_schema = json.dumps(value)
+        else:
+            raise bad_param(name, f"{name}.json must be a JSON schema (an object, or its JSON text)")
+    elif kind == "choice":
+        if not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
+            raise bad_param(name, f"{name}.choice must be a list of strings")
+        out.choice.choices.extend(value)
+    elif kind == "json_object":
+        if value is not True:
+            raise bad_param(name, f"{name}.json_object must be true")
+        out.json_object = True
+    else:
+        if not isinstance(value, str):
+            raise bad_param(name, f"{name}.{kind} must be a string")
+        setattr(out, field, value)
+    return name
+
+
+def _set_tools(req: handoff_pb2.GenerateRequest, body: dict, chat: bool) -> bool:
+    """tools, tool_choice and parallel_tool_calls into req; whether the answer is parsed into tool calls."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not chat:
+        if tools or choice not in (None, "none"):
+            raise bad_param("tools" if tools else "tool_choice", "tools belong to /v1/chat/completions")
+        return False
+    if tools is not None and not isinstance(tools, list):
+        raise bad_param("tools", "tools must be a list of {type: function, function: {name, ...}} objects")
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)):
+            raise bad_param(f"tools[{i}]", f"tools[{i}] must be {{type: function, function: {{name, description, "
+                                           f"parameters}}}}")
+        name, description, params = fn.get("name"), fn.get("description") or "", fn.get("parameters")
+        if not isinstance(name, str) or not isinstance(description, str):
+            raise bad_param(f"tools[{i}]", f"tools[{i}].function.name and description must be strings")
+        if params is not None and not isinstance(params, dict):
+            raise bad_param(f"tools[{i}]", f"tools[{i}].function.parameters must be a JSON schema object")
+        req.tools.add(name=name, description=description, parameters_json=json.dumps(params) if params else "")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if not (choice.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                                           '{"type": "function", "function": {"name": ...}}')
+        req.tool_choice, req.tool_name = "function", fn["name"]
+    elif choice is not None:
+        if choice not in ("none", "auto", "required"):
+            raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                                           '{"type": "function", "function": {"name": ...}}')
+        req.tool_choice = choice
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_param("parallel_tool_calls", "parallel_tool_calls must be true or false")
+    # A forced call ("required") is one call unless parallel_tool_calls is true: OpenAI's default is true, but a
+    # small model constrained to "one or more" tends to go on calling until max_tokens. A named function: once.
+    req.parallel_tool_calls = req.tool_choice == "required" and parallel is True
+    return bool(tools) and req.tool_choice != "none"
 
 
 def _set_logprobs(req: handoff_pb2.GenerateRequest, p: _Body, chat: bool) -> bool:
@@ -278,10 +400,29 @@ def _messages(messages) -> list[handoff_pb2.ChatMessage]:
         role = m.get("role")
         if not isinstance(role, str):
             raise bad_param(f"messages[{i}].role", f"messages[{i}].role must be a string")
-        if m.get("tool_calls"):
-            raise bad_param(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
+        tool_call_id = m.get("tool_call_id") or ""
+        if not isinstance(tool_call_id, str):
+            raise bad_param(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id must be a string")
         out.append(handoff_pb2.ChatMessage(role="system" if role == "developer" else role,
-                                           content=_content(m.get("content"), i)))
+                                           content=_content(m.get("content"), i), tool_call_id=tool_call_id,
+                                           tool_calls=_message_tool_calls(m.get("tool_calls"), i)))
+    return out
+
+
+def _message_tool_calls(calls, i: int) -> list[handoff_pb2.ToolCall]:
+    """An assistant turn's tool_calls, as an earlier answer gave them."""
+    if not calls:
+        return []
+    what = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_param(what, f"{what} must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", ""), str) and isinstance(c.get("id", ""), str)):
+            raise bad_param(what, f"{what}[{j}] must be {{id, type: function, function: {{name, arguments}}}}")
+        out.append(handoff_pb2.ToolCall(id=c.get("id", ""), name=fn["name"], arguments_json=fn.get("arguments", "")))
     return out
 
 
@@ -332,6 +473,8 @@ class ResponseBuilder:
                      "created": created, "model": model, "system_fingerprint": fingerprint}
         self._text_offset = [0] * parsed.n  # completions' logprobs.text_offset continues across chunks
         self._started = [False] * parsed.n
+        # With tools: each choice's text is split into content and tool calls as it streams.
+        self._calls = [ToolCallParser() for _ in range(parsed.n)] if parsed.tool_calls else None
 
     # ---- streaming
 
@@ -341,11 +484,21 @@ class ResponseBuilder:
         first = not self._started[index]
         self._started[index] = True
         lps = self._logprobs(index, msg.logprobs) if self.logprobs and msg.logprobs else None
-        if not (msg.text or lps or reason or (first and self.chat) or (self.return_token_ids and msg.token_ids)):
+        text, calls = msg.text, []
+        if self._calls is not None:
+            parser = self._calls[index]
+            text, calls = parser.feed(msg.text)
+            if reason is not None:
+                text += parser.finish()
+                if parser.calls and reason == "stop":
+                    reason = "tool_calls"
+        if not (text or calls or lps or reason or (first and self.chat) or (self.return_token_ids and msg.token_ids)):
             return None
         if self.chat:
-            delta = {"role": "assistant", "content": msg.text} if first else (
-                {"content": msg.text} if msg.text else {})
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            if calls:
+                offset = len(self._calls[index].calls) - len(calls)
+                delta["tool_calls"] = [{"index": offset + k, **_tool_call(c)} for k, c in enumerate(calls)]
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
         else:
             choice = {"index": index, "text": msg.text, "logprobs": lps, "finish_reason": reason}
@@ -371,8 +524,14 @@ class ResponseBuilder:
                 lps = self._logprobs(index, [lp for m in msgs for lp in m.logprobs])
             reason = FINISH_REASONS.get(msgs[-1].finish_reason)
             if self.chat:
-                out_choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                    "logprobs": lps, "finish_reason": reason})
+                message = {"role": "assistant", "content": text}
+                if self._calls is not None:
+                    content, calls = parse_tool_calls(text)
+                    message["content"] = content or None
+                    if calls:
+                        message["tool_calls"] = [_tool_call(c) for c in calls]
+                        reason = "tool_calls" if reason == "stop" else reason
+                out_choices.append({"index": index, "message": message, "logprobs": lps, "finish_reason": reason})
             else:
                 out_choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": reason})
             if self.return_token_ids:
@@ -396,6 +555,10 @@ class ResponseBuilder:
                for lp, token in zip(lps, tokens)]
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
                 "text_offset": offsets}
+
+
+def _tool_call(call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def usage(finals: Sequence[handoff_pb2.GenerateResponse]) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common import metrics
+from common import metrics, tracing
 from common.engine.prefix import PrefixHasher
 from common.grpc_common import ServiceError
 from common.state import StateStore, WorkerInfo
@@ -69,48 +69,60 @@ class WorkerPicker:
         return workers
 
     async def reserve_decode(self, request_id: str, num_tokens: int, deadline: float,
-                             exclude: Excluded = frozenset()) -> Lease:
-        """Lease KV blocks for num_tokens on the decode worker with the most room; waits (bounded) for room."""
+                             exclude: Excluded = frozenset(), trace=tracing.INVALID_SPAN) -> Lease:
+        """Lease KV blocks for num_tokens on the decode worker with the most room; waits (bounded) for room.
+        The wait, if there is one, is a `queue` span under `trace` (the request's reserve span)."""
         if not self._queue_slots.acquire(blocking=False):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                "too many requests are already waiting for decode capacity; retry later")
         try:
             return await self._reserve(request_id, num_tokens,
-                                       min(deadline, time.monotonic() + self.queue_timeout_s), exclude)
+                                       min(deadline, time.monotonic() + self.queue_timeout_s), exclude, trace)
         finally:
             self._queue_slots.release()
 
-    async def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: Excluded) -> Lease:
+    async def _reserve(self, request_id: str, num_tokens: int, until: float, exclude: Excluded, trace) -> Lease:
         delay = 0.005
         largest = 0
+        queue = None  # the `queue` span: from the first look that found no room to the end of the wait
+        num_looks = 0
 
         def undo(found: tuple[Lease | None, list[WorkerInfo]]) -> None:
             # Reserved for a request cancelled meanwhile: nobody will hold or release this lease.
             if found[0] is not None:
                 self.state.release(found[0].worker.worker_id, request_id)
 
-        while True:
-            lease, workers = await self.blocking.run(self._try_reserve, request_id, num_tokens, exclude, undo=undo)
-            if lease is not None:
-                return lease
-            if workers and all(-(-num_tokens // w.block_size) > w.total_blocks for w in workers):
-                # No retry can succeed: a bad request (400), not a full cluster (429, which clients retry).
-                pool_tokens = max(w.total_blocks * w.block_size for w in workers)
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"max_tokens plus the prompt need KV for {num_tokens} tokens, more than the "
-                                   f"largest decode worker's whole pool holds ({pool_tokens} tokens); lower "
-                                   f"max_tokens by at least {num_tokens - pool_tokens}")
-            largest = max([w.available_blocks or 0 for w in workers] + [0])
-            if time.monotonic() >= until:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        if not workers:
-            raise self._none_left("decode", exclude)
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
-                           f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
-                           f"retry later or lower max_tokens")
+        try:
+            while True:
+                lease, workers = await self.blocking.run(self._try_reserve, request_id, num_tokens, exclude,
+                                                         undo=undo)
+                num_looks += 1
+                if lease is not None:
+                    return lease
+                if workers and all(-(-num_tokens // w.block_size) > w.total_blocks for w in workers):
+                    # No retry can succeed: a bad request (400), not a full cluster (429, which clients retry).
+                    pool_tokens = max(w.total_blocks * w.block_size for w in workers)
+                    raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"max_tokens plus the prompt need KV for {num_tokens} tokens, more than the "
+                                       f"largest decode worker's whole pool holds ({pool_tokens} tokens); lower "
+                                       f"max_tokens by at least {num_tokens - pool_tokens}")
+                largest = max([w.available_blocks or 0 for w in workers] + [0])
+                if time.monotonic() >= until:
+                    break
+                if queue is None:
+                    queue = tracing.start("queue", trace)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.1)
+            if not workers:
+                raise self._none_left("decode", exclude)
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"no decode worker has room for the KV of {num_tokens} tokens (prompt + max_tokens) "
+                               f"after waiting {self.queue_timeout_s:.1f} s; the most free is {largest} blocks; "
+                               f"retry later or lower max_tokens")
+        finally:
+            if queue is not None:  # how it ended is the reserve span's to say
+                queue.set_attribute("handoff.looks", num_looks)
+                queue.end()
 
     def _try_reserve(self, request_id: str, num_tokens: int,
                      exclude: Excluded) -> tuple[Lease | None, list[WorkerInfo]]:
@@ -184,15 +196,15 @@ class WorkerPicker:
     def _cached_tokens(self, workers: list[WorkerInfo], prompt_ids: list[int]) -> dict[str, int]:
         """Prompt tokens each worker's published prefix cache holds (whole chunks)."""
         out: dict[str, int] = {}
-        by_seed: dict[tuple[str, int, int], list[WorkerInfo]] = {}
+        by_seed: dict[tuple[str, str, int, int], list[WorkerInfo]] = {}
         for w in workers:
             if w.prefix_seed and w.chunk_tokens:
-                by_seed.setdefault((w.prefix_seed, w.block_size, w.chunk_tokens), []).append(w)
-        for (seed, block_size, chunk), group in by_seed.items():
+                by_seed.setdefault((w.role, w.prefix_seed, w.block_size, w.chunk_tokens), []).append(w)
+        for (role, seed, block_size, chunk), group in by_seed.items():
             hashes = PrefixHasher.from_seed(bytes.fromhex(seed), block_size=block_size,
                                             chunk_tokens=chunk).chunk_hashes(prompt_ids)
             if hashes:
-                for wid, n in self.state.cached_prefix_chunks([w.worker_id for w in group], hashes).items():
+                for wid, n in self.state.cached_prefix_chunks([w.worker_id for w in group], hashes, role).items():
                     out[wid] = n * chunk
         return out
 

@@ -83,8 +83,11 @@ class RouterServer:
 
     async def _start(self):
         cfg = self.config
-        credentials = security.server_credentials(cfg.tls, require_client_cert=cfg.tls.require_client_cert)
-        keys = security.APIKeys(cfg.api_keys)
+        # The public port serves --public-tls-cert (the router's own certificate without one).
+        credentials = security.server_credentials(cfg.tls.public, require_client_cert=cfg.tls.require_client_cert)
+        # Keys from a file are re-read when it changes (or on SIGHUP): rotated without a restart.
+        keys = (security.APIKeyFile(cfg.api_keys_file, ",".join(cfg.api_keys_env)) if cfg.api_keys_file
+                else security.APIKeys(cfg.api_keys))
         if keys.enabled and credentials is None:
             log.warning("API keys are on but TLS is off: keys cross the network in plaintext")
         self.server = grpc_aio_server.make_server(

@@ -226,12 +226,13 @@ def drain(state: StateStore, worker_id: str, timeout_s: float, say) -> dict:
         time.sleep(DRAIN_POLL_S)
     else:
         # Withdrawn, so that it does not fire later by surprise; a worker that saw it drains anyway.
-        state.end_drain(worker_id, worker.epoch)
+        state.end_drain(worker_id, worker.epoch, worker.role)
         raise StatusError(f"{worker_id} did not act on the drain request within {duration(timeout_s)} and is "
                           f"still registered; request withdrawn. Its heartbeat (every 0.5 s) checks for it: "
                           f"is the worker hung, or running a version without drain support?")
     while time.monotonic() < deadline:
-        if not state.drain_requested(worker_id, worker.epoch):
+        if state.drained(worker.role, worker_id, worker.epoch):
+            state.end_drain(worker_id, worker.epoch, worker.role)  # the request and its answer
             result["drained_s"] = time.monotonic() - t0
             say(f"{worker_id} drained in {duration(result['drained_s'])}")
             return result

@@ -16,7 +16,7 @@ from tests.deploy.manifests import OVERLAYS, container, of_kind, render
 ROOT = Path(__file__).resolve().parents[1]
 # Settings a config does not hold as a field of the same name: parsed into another form.
 CONSUMED = {"log_level", "api_keys_file", "tls_cert", "tls_key", "tls_ca", "tls_server_name",
-            "tls_require_client_cert"}
+            "tls_require_client_cert", "public_tls_cert", "public_tls_key", "redis_acl"}
 
 
 def test_the_reference_is_printed_from_the_table():
@@ -133,6 +133,18 @@ def test_every_environment_variable_the_code_reads_is_in_the_reference():
     # router.client's own (a client, not a service): its key and TLS files.
     read -= {"HANDOFF_API_KEY"}
     assert read <= known, f"read by the code but not in docs/configuration.md: {sorted(read - known)}"
+
+
+def test_every_opentelemetry_variable_the_code_reads_is_in_the_reference():
+    """The standard OTEL_* variables are not settings, but the reference lists those the code reads itself."""
+    read = set()
+    for folder in ("common", "router", "prefill_svc", "decode_svc"):
+        for path in (ROOT / folder).rglob("*.py"):
+            read |= set(re.findall(r"[\"'](OTEL_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert "OTEL_TRACES_EXPORTER" in read  # the pattern finds them
+    reference = settings.reference()
+    missing = sorted(name for name in read if f"`{name}" not in reference)
+    assert not missing, f"read by the code but not in docs/configuration.md (TRACING_ENVIRONMENT): {missing}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from common.engine.config import EngineConfig
+from common.engine.grammar import GrammarCompiler, bitmask_words, fill_bitmask
 from common.engine.output import FinishReason, OutputProcessor
 from common.engine.prefix import PrefixHasher
 from common.engine.runner import DecodeItem, ModelRunner, PrefillItem
@@ -70,6 +71,9 @@ class Engine:
         self.max_context = runner.model.config.max_position
         kernels = runner.model.kernels
         self.sampler = Sampler(argmax=kernels.argmax if kernels is not None else None)
+        # Structured outputs' compiled constraints. Callers compile a request's on their own thread first
+        # (grammars.check), so that submit() only copies a cached matcher.
+        self.grammars = GrammarCompiler(tokenizer)
         self.hasher = PrefixHasher(weights_id=getattr(runner.model, "weights_id", ""),
                                    dtype=str(runner.model.dtype), block_size=self.pool.block_size,
                                    chunk_tokens=config.prefill_chunk_tokens)
@@ -104,23 +108,30 @@ class Engine:
         is replayed). With `kv` (the prompt's K/V, [layers, 2, len(prompt_ids), Hkv, D]) or `parked`
         (that K/V was placed by park() under seq_id), it skips the prompt's prefill. With `kv_sink`
         (prefill_only), the prompt's K/V goes to it piece by piece as it is computed, called from the
-        engine thread (keep it non-blocking), instead of with the last event."""
+        engine thread (keep it non-blocking), instead of with the last event. A params.constraint that does
+        not compile raises ValueError (grammars.check() it first, off the engine thread)."""
         seq = Sequence(seq_id, list(prompt_ids), params,
                        seed if seed is not None else derive_seed(params.seed), sink,
                        OutputProcessor(self.tokenizer, params, len(prompt_ids), self.max_context,
                                        detokenize=self.config.detokenize),
                        output_ids=list(output_ids or []), kv=kv, parked=parked,
-                       kv_sink=kv_sink if self.config.prefill_only else None)
+                       kv_sink=kv_sink if self.config.prefill_only else None,
+                       matcher=self.grammars.matcher(params.constraint) if params.constraint else None)
         if kv is not None and kv.shape[2] != len(seq.prompt_ids):
             raise ValueError(f"kv holds {kv.shape[2]} tokens, the prompt has {len(seq.prompt_ids)}")
-        # Resumed sequences: replay earlier tokens so stop strings and length see them.
-        for t in seq.output_ids:
+        # Resumed sequences: replay earlier tokens so stop strings, length and the constraint's matcher see
+        # them (the matcher then stands where it stood when the tokens were first sampled).
+        for i, t in enumerate(seq.output_ids):
             seq.output.push(t)
-            if seq.output.finish_reason is not None:
+            reason, error = seq.output.finish_reason, None
+            if reason is None and seq.matcher is not None and not seq.matcher.consume_token(t):
+                reason, error = FinishReason.ERROR, (f"output_ids[{i}] (token {t}) does not match the structured "
+                                                     f"output constraint: {seq.matcher.get_error()}")
+            if reason is not None:
                 # Already over (say the first token was EOS): nothing to compute.
                 if parked:
                     self.cancel(seq_id)  # free what was parked for it
-                sink(TokenEvent(seq_id, [], "", seq.output.finish_reason))
+                sink(TokenEvent(seq_id, [], "", reason, error=error, invalid=error is not None))
                 return
         if not self._put(Submit(seq)):
             reason, error, _ = self._closed
@@ -373,6 +384,9 @@ class Engine:
         tok = logprob = None
         if not seq.output_ids:
             tok = self._sample([seq], logits)[0]
+            if tok is None:
+                self._finish(seq, FinishReason.ERROR, error=_dead_end(seq), invalid=True)
+                return
             logprob = self._logprobs([seq], {0: tok}, hidden).get(0)
         seq.first_token_s = seq.first_token_s or time.perf_counter()
         if self.config.prefill_only:
@@ -413,15 +427,34 @@ class Engine:
         sampled = [r.seq for r in rows if r.sample]
         if sampled:
             tokens = self._sample(sampled, logits)
-            logprobs = self._logprobs(sampled, dict(enumerate(tokens)))
+            logprobs = self._logprobs(sampled, {i: tok for i, tok in enumerate(tokens) if tok is not None})
             for i, (seq, tok) in enumerate(zip(sampled, tokens)):
-                self._emit(seq, tok, logprobs.get(i))
+                if tok is None:
+                    self._finish(seq, FinishReason.ERROR, error=_dead_end(seq), invalid=True)
+                else:
+                    self._emit(seq, tok, logprobs.get(i))
 
-    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample(self, batch: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+        """Row i's token for batch[i]; None for a row whose constraint allows no token (a dead end). Masks are
+        computed for the constrained rows only; the others' logits are not touched."""
+        mask_rows = [i for i, s in enumerate(batch) if s.matcher is not None]
+        bitmask, dead = None, []
+        if mask_rows:
+            bitmask = torch.empty(len(mask_rows), bitmask_words(self.grammars.vocab_size), dtype=torch.int32)
+            fill_bitmask([batch[i].matcher for i in mask_rows], bitmask)
+            # A matcher in its error state allows only EOS, which would end the request as if its constraint
+            # were met: that is a dead end too, as is a mask that allows nothing.
+            empty = (bitmask == 0).all(dim=1).tolist()
+            dead_rows = [j for j, i in enumerate(mask_rows) if empty[j] or batch[i].matcher.is_error()]
+            if dead_rows:
+                dead = [mask_rows[j] for j in dead_rows]
+                bitmask[dead_rows] = -1  # sampled as if free, then dropped: no row of -inf reaches the sampler
         tokens = self.sampler(logits, [s.params for s in batch], [s.seed for s in batch],
                               [len(s.output_ids) for s in batch], [s.prompt_ids for s in batch],
-                              [s.output_ids for s in batch])
-        return tokens.tolist()
+                              [s.output_ids for s in batch], mask_rows, bitmask).tolist()
+        for i in dead:
+            tokens[i] = None
+        return tokens
 
     def _logprobs(self, batch: list[Sequence], tokens: dict[int, int],
                   hidden: torch.Tensor | None = None) -> dict[int, TokenLogprobs]:
@@ -442,7 +475,11 @@ class Engine:
         seq.output_ids.append(tok)
         text = seq.output.push(tok)
         logprobs = None if logprob is None else [logprob]
-        if seq.output.finish_reason is not None:
+        if seq.output.finish_reason is None and seq.matcher is not None and not seq.matcher.consume_token(tok):
+            self._finish(seq, FinishReason.ERROR, text=text, token_ids=[tok], logprobs=logprobs,
+                         error=f"token {tok} broke the structured output constraint: {seq.matcher.get_error()}",
+                         invalid=True)
+        elif seq.output.finish_reason is not None:
             self._finish(seq, seq.output.finish_reason, text=text, token_ids=[tok], logprobs=logprobs)
         else:
             seq.sink(TokenEvent(seq.seq_id, [tok], text, logprobs=logprobs))
@@ -450,14 +487,14 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason | None, *, text: str = "",
                 token_ids: list[int] | None = None, error: str | None = None,
                 kv: torch.Tensor | None = None, logprobs: list[TokenLogprobs] | None = None,
-                block_hashes: list[bytes] | None = None, cached_tokens: int = 0) -> None:
+                block_hashes: list[bytes] | None = None, cached_tokens: int = 0, invalid: bool = False) -> None:
         """The one way out for a sequence: frees its blocks and sends its last event (even if freeing fails)."""
         try:
             self.scheduler.remove(seq)
         finally:
             try:
                 seq.sink(TokenEvent(seq.seq_id, token_ids or [], text, reason, error=error, kv=kv, logprobs=logprobs,
-                                    block_hashes=block_hashes, cached_tokens=cached_tokens))
+                                    block_hashes=block_hashes, cached_tokens=cached_tokens, invalid=invalid))
             except Exception:
                 log.exception("sink of %s failed", seq.seq_id)
 
@@ -468,3 +505,9 @@ class Engine:
                f"{pool.dtype} on {pool.device})")
         log.warning("K/V handed to the engine refused: %s", why)
         return why
+
+
+def _dead_end(seq: Sequence) -> str:
+    why = seq.matcher.get_error() or "no token can continue the completion"
+    return (f"the structured output constraint reached a dead end after {len(seq.output_ids)} tokens: {why} "
+            f"(the grammar cannot be completed from here)")

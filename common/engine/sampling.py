@@ -11,6 +11,8 @@ from itertools import chain
 
 import torch
 
+from common.engine.grammar import Constraint, bitmask_bias
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
@@ -50,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # None = off; k = each token's logprob and its k most likely alternatives
+    constraint: Constraint | None = None  # structured output: the completion must match it (grammar.py)
 
     def __post_init__(self) -> None:
         # Callers hand over lists (JSON, protobuf repeated fields); store tuples so the params stay hashable.
@@ -92,6 +95,14 @@ class SamplingParams:
             k = _integer("logprobs", self.logprobs)
             if not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise ValueError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+            self.constraint.validate()
+            if self.ignore_eos:
+                # A constrained completion ends where its grammar does, with the end-of-sequence token.
+                raise ValueError("ignore_eos cannot be combined with a structured output constraint (the "
+                                 "completion ends with the end-of-sequence token where the constraint is met)")
 
     def _validate_stop(self) -> None:
         if not isinstance(self.stop, tuple):
@@ -180,8 +191,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
                  steps: Sequence[int], prompt_ids: Sequence[Sequence[int]],
-                 output_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """logits [B, V] (last position) -> token ids [B] int64, on logits.device."""
+                 output_ids: Sequence[Sequence[int]], mask_rows: Sequence[int] = (),
+                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, V] (last position) -> token ids [B] int64, on logits.device.
+
+        With a bitmask ([len(mask_rows), ceil(V / 32)] int32, a structured output's allowed tokens), row
+        mask_rows[i] may pick only the tokens whose bit is set in bitmask[i]: the others' logits are -inf,
+        after the penalties and before temperature, top-k, top-p and min-p. The other rows are untouched."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         bsz, vocab_size = logits.shape
@@ -193,6 +209,8 @@ class Sampler:
         if bsz == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
+        if mask_rows:
+            logits = apply_bitmask(logits, mask_rows, bitmask)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return self._argmax(logits.contiguous())
@@ -335,6 +353,18 @@ def token_logprobs(log_probs: torch.Tensor, token_ids: Sequence[int], ks: Sequen
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
     return [TokenLogprobs(tok, lp, tuple(zip(ids[:k], values[:k])))
             for tok, lp, ids, values, k in zip(token_ids, chosen, top_ids, top_values, ks)]
+
+
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [B, V] with -inf where bitmask [len(rows), W] clears the token of row rows[i]: the bias
+    (0 or -inf) is added, so an allowed logit keeps its value and the other rows keep their bits."""
+    rsz, vocab_size = logits.shape
+    bias = bitmask_bias(bitmask.to(logits.device), vocab_size)  # [R, <= V]
+    if bias.shape[1] < vocab_size:  # the model's vocabulary is padded past the tokenizer's: never allowed
+        bias = torch.nn.functional.pad(bias, (0, vocab_size - bias.shape[1]), value=-math.inf)
+    if list(rows) == list(range(rsz)):
+        return logits + bias
+    return logits.index_add(0, torch.tensor(list(rows), device=logits.device), bias)
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],

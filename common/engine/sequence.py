@@ -24,6 +24,9 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when params.logprobs asks
     block_hashes: list[bytes] | None = None  # prefill_only: prefix hashes of the prompt's full-chunk blocks
     cached_tokens: int = 0  # prefill_only: prompt tokens whose K/V the prefix cache held
+    # With an error: the request itself is at fault (its structured output constraint reached a dead end, or
+    # output_ids break it), so any worker would fail it the same way: not a worker's failure, not retried.
+    invalid: bool = False
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Sequence:
     # prefix-cache hit at admission, each computed chunk, the last one after the first token is sampled
     # and only if it does not end the request; the last event then carries no kv.
     kv_sink: Callable[[int, int, torch.Tensor], None] | None = None
+    # params.constraint's llguidance matcher, advanced over every output token (grammar.py); None without one.
+    matcher: object | None = None
 
     @property
     def num_tokens(self) -> int:

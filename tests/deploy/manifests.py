@@ -63,10 +63,15 @@ CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 MODELS_CLAIM, MODELS_PATH = "handoff-models", "/models"  # components/model-pvc
 
 
-REDIS_AUTH_SECRET, REDIS_TLS_SECRET = "handoff-redis-auth", "handoff-redis-tls"
+REDIS_TLS_SECRET = "handoff-redis-tls"  # components/external-redis: the CA of the operator's Redis
 
 
-TLS_SECRET, API_KEYS_SECRET = "handoff-tls", "handoff-api-keys"
+def redis_secret(role: str) -> str:
+    """The Secret holding the password (key `password`) of `role`'s Redis ACL user, bundled Redis or not."""
+    return f"handoff-redis-{role}"
+
+
+TLS_SECRET, API_KEYS_SECRET = "handoff-tls", "handoff-api-keys"  # TLS: handoff-tls-<role>, handoff-tls-public
 
 
 TLS_FILES = {"HANDOFF_TLS_CERT": "tls.crt", "HANDOFF_TLS_KEY": "tls.key", "HANDOFF_TLS_CA": "ca.crt"}

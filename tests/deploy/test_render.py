@@ -26,16 +26,20 @@ def test_overlay_builds_with_every_pool(overlay):
         one(objs, "Deployment", component)
         one(objs, "HorizontalPodAutoscaler", component)
         one(objs, "PodDisruptionBudget", component)
-    if overlay == OWN:  # the external-redis component: no Redis object left behind
+    if overlay == OWN:  # the external-redis component: no Redis object left behind, its ACL rules included
         left = [(o["kind"], o["metadata"]["name"]) for o in objs
                 if o["metadata"]["labels"].get(COMPONENT) == "redis"
-                or o["metadata"]["name"] in ("handoff-redis", "handoff-to-redis")]
+                or o["metadata"]["name"] in ("handoff-redis", "handoff-to-redis")
+                or o["metadata"]["name"].startswith("handoff-redis-acl")]
         assert not left, left
     else:
         one(objs, "Deployment", "redis")
         one(objs, "Service", "redis")
     one(objs, "Service", "router")
-    assert len(of_kind(objs, "ConfigMap")) == 1
+    # The services' configuration first (tests read it as ConfigMap [0]), then the bundled Redis's ACL rules.
+    assert [c["metadata"]["name"].rsplit("-", 1)[0] for c in of_kind(objs, "ConfigMap")
+            if not c["metadata"].get("labels", {}).get("grafana_dashboard")] \
+        == ["handoff-config"] + (["handoff-redis-acl"] if overlay != OWN else [])
     namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
     assert namespaces == {"handoff"}, f"every object goes into the overlay's namespace, got {namespaces}"
 

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from secrets import token_urlsafe
 from urllib.parse import urlparse, urlunparse
 
 import grpc
@@ -23,6 +24,7 @@ from tests.deploy.manifests import (
     API_KEYS_SECRET,
     COMPOSED,
     MODELS_CLAIM,
+    OWN,
     POOLS,
     REDIS_TLS_SECRET,
     ROOT,
@@ -36,6 +38,7 @@ from tests.deploy.manifests import (
     one,
     parse_quantity,
     pod_spec,
+    redis_secret,
     render,
 )
 
@@ -43,9 +46,11 @@ from tests.deploy.manifests import (
 class Resolver:
     """Turns a rendered container into the argv and environment the kubelet would give it."""
 
-    def __init__(self, objs: list[dict], pod_ip: str = "127.0.0.1", rewrite=lambda value: value) -> None:
+    def __init__(self, objs: list[dict], pod_ip: str = "127.0.0.1", rewrite=lambda value: value,
+                 secrets: dict[str, dict[str, str]] | None = None) -> None:
         """rewrite(value) is applied to every ConfigMap value and literal env value (to move
-        ports and the Redis address onto this machine) before any $(VAR) expansion."""
+        ports and the Redis address onto this machine) before any $(VAR) expansion. `secrets`
+        (name -> key -> value): those the operator creates beside the rendered ones."""
         self.rewrite = rewrite
         self.config = {o["metadata"]["name"]: {k: rewrite(v) for k, v in o.get("data", {}).items()}
                        for o in of_kind(objs, "ConfigMap")}
@@ -53,6 +58,7 @@ class Resolver:
                         for o in of_kind(objs, "Secret")}
         for o in of_kind(objs, "Secret"):
             self.secrets[o["metadata"]["name"]].update(o.get("stringData", {}))
+        self.secrets.update(secrets or {})
         self.pod_ip = pod_ip
 
     def env(self, deployment: dict, ctr: dict) -> dict[str, str]:
@@ -114,6 +120,52 @@ class Resolver:
                 (folder / key).chmod(source.get("defaultMode", 0o644))
             mounted[mount["mountPath"].rstrip("/")] = folder
         return mounted
+
+
+def redis_users_of(objs: list[dict], deployment: dict, root: Path) -> dict[str, str]:
+    """Run the Redis container's start script (up to its exec) on the rendered rules and passwords, as the
+    kubelet mounts them; check the ACL file it writes is the code's users; role -> password."""
+    from common import redis_acl
+
+    resolver = Resolver(objs)
+    spec, ctr = pod_spec(deployment), container(deployment)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    script = ctr["args"][0]
+    for mount in ctr["volumeMounts"]:
+        volume, folder = volumes[mount["name"]], root / mount["mountPath"].strip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        if "configMap" in volume:
+            for key, value in resolver.config[volume["configMap"]["name"]].items():
+                (folder / key).write_text(value)
+        for source in volume.get("projected", {}).get("sources", []):
+            for item in source["secret"]["items"]:
+                (folder / item["path"]).write_text(resolver.secrets[source["secret"]["name"]][item["key"]])
+        script = script.replace(mount["mountPath"], str(folder))
+    proc = subprocess.run(["sh", "-c", script.split("exec redis-server")[0]], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    passwords = {role: (root / "etc/handoff/redis-users" / role).read_text() for role in redis_acl.ROLES}
+    written = (root / "tmp/users.acl").read_text().splitlines()
+    assert written == ["user default off"] + [redis_acl.user_line(r, passwords[r]) for r in redis_acl.ROLES], written
+    return passwords
+
+
+def external_redis_users(objs: list[dict]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The ACL users of an external Redis, as docs/deploy.md has the operator create them: each role's password
+    from its Secret handoff-redis-<role> as rendered, or, where the overlay ships none (example-own), a made-up
+    one in a Secret of that name; returns (role -> password, the made-up Secrets: name -> key -> value)."""
+    from common import redis_acl
+
+    rendered = Resolver(objs).secrets
+    made_up: dict[str, dict[str, str]] = {}
+    passwords = {}
+    for role in redis_acl.ROLES:
+        # A generated Secret's name carries a hash suffix (the cpu overlay's dev passwords).
+        name = next((n for n in rendered if n.startswith(redis_secret(role))), redis_secret(role))
+        if name not in rendered:
+            made_up[name] = {"password": token_urlsafe(24)}
+        passwords[role] = (rendered | made_up)[name]["password"]
+    return passwords, made_up
 
 
 def remap_mounted(env: dict[str, str], mounted: dict[str, Path]) -> dict[str, str]:
@@ -182,9 +234,11 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
     autoscalers' metrics, then SIGTERM them all and check that they drain in time.
 
     Without a Redis Deployment (components/external-redis), the services' rediss:// URL reaches the
-    local Redis through TLS with `redis_tls` (certificate, key: for `localhost`, from the CA in the
-    rendered Secret). `claims` maps PersistentVolumeClaims to local folders."""
+    local Redis, which has the role users of external_redis_users, through TLS with `redis_tls`
+    (certificate, key: for `localhost`, from the CA in the rendered Secret). `claims` maps
+    PersistentVolumeClaims to local folders."""
     from common import grpc_common, security
+    from common.engine.model_files import served_name
     from common.redis_server import EmbeddedRedis, connect
     from common.state import StateStore
     from protos import handoff_pb2, handoff_pb2_grpc
@@ -192,20 +246,18 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
 
     deployments = {c: one(objs, "Deployment", c) for c in ((*POOLS, "redis") if bundled_redis(objs) else POOLS)}
 
-    plain = Resolver(objs)
-    if "redis" in deployments:  # the password the Redis Deployment requires, from the rendered Secret
-        redis_ctr = container(deployments["redis"])
-        redis_argv = plain.argv(redis_ctr, plain.env(deployments["redis"], redis_ctr))
-        password = redis_argv[redis_argv.index("--requirepass") + 1]
+    made_up: dict[str, dict[str, str]] = {}
+    if "redis" in deployments:
+        # Redis: its container's script run on the rendered Secrets and rules builds the ACL file; the server
+        # here is given the same users (EmbeddedRedis writes the same lines).
+        passwords = redis_users_of(objs, deployments["redis"], tmp_path / "redis")
         redis_service = one(objs, "Service", "redis")
         service_hosts = {redis_service["metadata"]["name"],
                          f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc"}
-    else:  # an external Redis: the password the services send, from the operator's Secret
+    else:  # an external Redis, with the role users the operator created on it
         assert redis_tls, "an external Redis is reached over TLS: give the test server a certificate"
-        router_ctr = container(deployments["router"])
-        password = plain.env(deployments["router"], router_ctr)["REDIS_PASSWORD"]
+        passwords, made_up = external_redis_users(objs)
         service_hosts = set()
-    assert password and "$(" not in password, "the Redis password resolves from the Secret"
 
     # Every port a service listens on moves to a free local one (three "pods" share 127.0.0.1).
     port_map: dict[int, int] = {}
@@ -213,7 +265,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         for p in container(deployments[component])["ports"]:
             port_map[p["containerPort"]] = free_port()  # never the same port twice in a process
 
-    server = EmbeddedRedis(password=password).start()
+    server = EmbeddedRedis(acl_users=passwords).start()
     proxy = TLSProxy(server.port, *redis_tls).start() if redis_tls else None
     procs: dict[str, subprocess.Popen] = {}
     log_paths = {c: tmp_path / f"{c}.log" for c in POOLS}
@@ -232,13 +284,14 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
             return urlunparse(url._replace(netloc=f"localhost:{proxy.port}"))
         return value
 
-    def channel(port: int) -> grpc.Channel:
-        """As a client of the router, or as the prefill worker it is not (for the KV port)."""
+    def channel(port: int, expect: str | None = None) -> grpc.Channel:
+        """As a client of the router (its public certificate names 127.0.0.1), or as a prefill worker
+        (for the KV port: expect="decode", the role its certificate must name)."""
         credentials = security.channel_credentials(client_tls) if client_tls else None
         return grpc_common.channel(f"127.0.0.1:{port}", credentials=credentials,
-                                 server_name=client_tls.server_name if client_tls else None)
+                                   server_name=client_tls.name_for(expect) if client_tls and expect else None)
 
-    resolver = Resolver(objs, rewrite=rewrite)
+    resolver = Resolver(objs, rewrite=rewrite, secrets=made_up)
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HANDOFF_", "REDIS_"))}
     try:
         for component in POOLS:
@@ -271,10 +324,11 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
                              f"{component} {probe}", logs)
         decode_ctr = container(deployments["decode"])
         kv_port = port_map[named_port(decode_ctr, "kv")]
-        wait_serving(kv_port, procs["decode"], time.monotonic() + 10, "decode KV port", logs, channel(kv_port))
+        wait_serving(kv_port, procs["decode"], time.monotonic() + 10, "decode KV port", logs, channel(kv_port, "decode"))
 
         # The workers registered the addresses the downward API gave them (podIP -> 127.0.0.1).
-        client, _ = connect(f"redis://127.0.0.1:{server.port}/0", password=password)
+        client, _ = connect(f"redis://127.0.0.1:{server.port}/0", username="handoff-operator",
+                            password=passwords["operator"])
         store = StateStore(client)
         prefill_ctr = container(deployments["prefill"])
         registered = {(w.role, w.address, w.kv_address) for w in store.list_workers()}
@@ -309,7 +363,7 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         context = None
         if client_tls:
             context = ssl.create_default_context(cafile=client_tls.ca)
-            context.check_hostname = False  # the certificate names the service, not 127.0.0.1
+            # The public certificate (handoff-tls-public) names 127.0.0.1: hostname checked, as a client would.
         completion = urllib.request.Request(
             f"{'https' if client_tls else 'http'}://127.0.0.1:{http_port}/v1/completions",
             data=json.dumps({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).encode(),
@@ -317,7 +371,11 @@ def run_as_local_processes(objs: list[dict], tmp_path: Path, *, client_tls=None,
         with urllib.request.urlopen(completion, timeout=60, context=context) as resp:
             answer = json.loads(resp.read())
         assert answer["choices"][0]["text"] == "".join(c.text for c in chunks), answer
-        assert answer["model"] == "smollm2", "the ConfigMap's empty served-model-name serves the model's own name"
+        config = of_kind(objs, "ConfigMap")[0]["data"]
+        assert config["served-model-name"] == ""
+        # The model's own name, of the path the pods are given (components/model-pvc: a file on the claim).
+        assert answer["model"] == served_name(config["model"]), \
+            "the ConfigMap's empty served-model-name serves the model's own name"
         assert chunks[-1].finish_reason in (handoff_pb2.FINISH_REASON_STOP, handoff_pb2.FINISH_REASON_LENGTH)
         assert "".join(c.text for c in chunks).strip(), "decoded text came back"
         if client_tls:  # every serving port refuses a plaintext caller
@@ -376,28 +434,29 @@ def test_cpu_overlay_runs_as_a_working_cluster(tmp_path):
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
-    """The components' wiring, run: certificates and keys from mounted Secrets, mutual TLS between
-    the services (through the ConfigMap's tls-server-name: the certificate names no IP), probes
-    on the plaintext health ports, and a Generate over TLS with an API key."""
+    """The components' wiring, run: each role's certificate from its own mounted Secret, mutual TLS between
+    the services (through the ConfigMap's tls-server-name: the certificates name roles, no IP), every
+    internal call authorized by role, probes on the plaintext health ports, and a Generate over TLS (the
+    public certificate) with an API key."""
+    from common import pki as pki_tool
     from common.security import TLSConfig
-    from tests.support.certs import make_ca, make_cert
 
     pki = tmp_path / "pki"
-    pki.mkdir()
-    ca = make_ca(pki, "ca")
-    cert, key = make_cert(pki, "handoff", ca)
+    pki_tool.issue_all(pki, days=1)
     api_key = "deploy-test-key-0123"
     folder = tmp_path / "kustomize"
     folder.mkdir()
     overlay, components = COMPOSED["cpu+tls"]
+    ca = (pki / "ca.crt").read_bytes()
+    secrets = {f"{TLS_SECRET}-{role}": {"tls.crt": (pki / f"{role}.crt").read_bytes(),
+                                        "tls.key": (pki / f"{role}.key").read_bytes(), "ca.crt": ca}
+               for role in ("router", "prefill", "decode", "public")}
     compose(folder, overlay, components, secrets={
-        TLS_SECRET: {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(), "ca.crt": ca[0].read_bytes()},
-        API_KEYS_SECRET: {"api-keys": f"# test keys\nsome-other-key\n{api_key}\n".encode()}})
+        **secrets, API_KEYS_SECRET: {"api-keys": f"# test keys\nsome-other-key\n{api_key}\n".encode()}})
     objs = kustomize_build(folder)
-    server_name = of_kind(objs, "ConfigMap")[0]["data"]["tls-server-name"]
-    # The client: trusts the CA; the router's public port asks for no client certificate, and the
-    # certificate is handed over for the KV-port check only.
-    client_tls = TLSConfig(cert=str(cert), key=str(key), ca=str(ca[0]), server_name=server_name)
+    # The client: trusts the CA and checks the public certificate's 127.0.0.1; the router's public port asks
+    # for no client certificate, and the prefill certificate is handed over for the KV-port check only.
+    client_tls = TLSConfig(cert=str(pki / "prefill.crt"), key=str(pki / "prefill.key"), ca=str(pki / "ca.crt"))
     run_as_local_processes(objs, tmp_path, client_tls=client_tls, api_key=api_key)
 
 
@@ -406,7 +465,7 @@ def test_cpu_overlay_with_tls_and_api_keys_runs_as_a_working_cluster(tmp_path):
 def test_cpu_overlay_with_own_model_and_redis_runs_as_a_working_cluster(tmp_path):
     """model-pvc and external-redis, run: every service loads the model from the claim's path (a folder
     here), and reaches Redis by the rendered rediss:// URL, through TLS, checked against the CA that the
-    Secret handoff-redis-tls mounts."""
+    Secret handoff-redis-tls mounts, as its role's ACL user with the password of its role's Secret."""
     from common.engine.model_files import resolve_model_path
     from tests.support.certs import make_ca, make_cert
 
@@ -423,3 +482,20 @@ def test_cpu_overlay_with_own_model_and_redis_runs_as_a_working_cluster(tmp_path
     claim.mkdir()
     (claim / Path(model).name).symlink_to(resolve_model_path("smollm2"))  # what loader.yaml's recipe copies
     run_as_local_processes(objs, tmp_path, redis_tls=(cert, key), claims={MODELS_CLAIM: claim})
+
+
+@pytest.mark.parametrize("overlay, components", [(OWN, ()), ("cpu", ("external-redis",))])
+def test_an_external_redis_has_the_users_the_pools_log_in_as(overlay, components, tmp_path):
+    """The users the test gives an external Redis are the ones the rendered pools log in as: the overlay's
+    role Secrets (cpu's dev passwords), or made-up ones where it ships none (example-own)."""
+    from common import redis_acl
+
+    objs = kustomize_build(compose(tmp_path, overlay, components))
+    passwords, made_up = external_redis_users(objs)
+    assert set(passwords) == set(redis_acl.ROLES)
+    assert sorted(made_up) == (sorted(redis_secret(r) for r in redis_acl.ROLES) if overlay == OWN else [])
+    resolver = Resolver(objs, secrets=made_up)
+    for component in POOLS:
+        deployment = one(objs, "Deployment", component)
+        env = resolver.env(deployment, container(deployment))
+        assert (env["REDIS_USERNAME"], env["REDIS_PASSWORD"]) == (redis_acl.username(component), passwords[component])

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 from urllib.parse import urlparse
 
 import pytest
+
+from common import redis_acl
 
 from tests.deploy.manifests import (
     API_KEYS_SECRET,
@@ -16,19 +19,21 @@ from tests.deploy.manifests import (
     PART_OF,
     POOL_METRICS,
     POOLS,
-    REDIS_AUTH_SECRET,
     TLS_FILES,
     TLS_SECRET,
     WORKERS,
     all_containers,
     bundled_redis,
+    compose,
     container,
+    kustomize_build,
     module_entry_exists,
     named_port,
     of_kind,
     one,
     parse_quantity,
     pod_spec,
+    redis_secret,
     render,
     selector_matches,
     split_image,
@@ -119,6 +124,7 @@ def test_services_run_their_module_with_every_setting(overlay):
         assert {"REDIS_URL", "REDIS_PASSWORD"} <= env, component
         secret = next(e for e in ctr["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]
         assert "secretKeyRef" in secret, f"{component}: REDIS_PASSWORD comes from a Secret"
+        assert "REDIS_USERNAME" in env, f"{component}: its own Redis ACL user"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -250,25 +256,55 @@ def test_configuration_comes_from_the_configmap_and_the_password_from_a_secret(o
         assert url.hostname in (redis_service["metadata"]["name"],
                                 f"{redis_service['metadata']['name']}.{redis_service['metadata']['namespace']}.svc")
         assert url.port in [p["port"] for p in redis_service["spec"]["ports"]]
-        redis_ctr = container(one(objs, "Deployment", "redis"))
-        args = redis_ctr["args"]
-        assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-        redis_secret = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis_ctr["env"]}["REDIS_PASSWORD"]
-    else:  # components/external-redis: TLS, and the password of the operator's own Secret
+        # Redis: an ACL user per role, rules from the code (common/redis_acl.py), passwords from each role's Secret.
+        redis_deployment = one(objs, "Deployment", "redis")
+        redis_ctr = container(redis_deployment)
+        script = redis_ctr["args"][0]
+        assert redis_ctr["command"] == ["sh", "-c"] and "--aclfile /tmp/users.acl" in script
+        assert script.index("user default off") < script.index("exec redis-server"), "the default user is off"
+        assert "for role in router prefill decode operator" in script and "sha256sum" in script
+        assert "requirepass" not in script
+        acl = next(o for o in of_kind(objs, "ConfigMap") if o["metadata"]["name"].startswith("handoff-redis-acl"))
+        assert {k: v.strip() for k, v in acl["data"].items()} == {r: redis_acl.rules(r) for r in redis_acl.ROLES}, \
+            "deploy/k8s/base/redis-acl differs from the code: python -m common.redis_acl --write deploy/k8s/base/redis-acl"
+        volumes = {v["name"]: v for v in pod_spec(redis_deployment)["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in redis_ctr["volumeMounts"]}
+        assert mounts["/etc/handoff/redis-acl"]["configMap"]["name"] == acl["metadata"]["name"]
+        users = mounts["/etc/handoff/redis-users"]["projected"]
+        assert users["defaultMode"] & 0o007 == 0
+        role_secret = {src["secret"]["items"][0]["path"]: src["secret"]["name"] for src in users["sources"]}
+        assert set(role_secret) == set(redis_acl.ROLES)
+    else:  # components/external-redis: TLS, nothing of the bundled Redis left, the same users on the operator's Redis
         assert url.scheme == "rediss", "an external Redis is reached over TLS"
-        redis_secret = {"name": REDIS_AUTH_SECRET, "key": "redis-password"}
+        left = [(o["kind"], o["metadata"]["name"]) for o in objs
+                if o["metadata"]["name"] in ("handoff-redis", "handoff-to-redis")
+                or o["metadata"]["name"].startswith("handoff-redis-acl")
+                or o["metadata"].get("labels", {}).get(COMPONENT) == "redis"]
+        assert not left, f"the bundled Redis's objects are left behind: {left}"
+        shipped = {s["metadata"]["name"] for s in of_kind(objs, "Secret")}
+        # Each role's Secret as the overlay ships it (a generated name carries a hash suffix), else as the operator creates it.
+        role_secret = {r: next((n for n in shipped if n.startswith(redis_secret(r))), redis_secret(r))
+                       for r in redis_acl.ROLES}
+    assert all(role_secret[r].startswith(redis_secret(r)) for r in redis_acl.ROLES), role_secret
     for component in POOLS:
         ctr = container(one(objs, "Deployment", component))
         refs = {e["name"]: e.get("valueFrom", {}) for e in ctr["env"]}
-        assert refs["REDIS_PASSWORD"]["secretKeyRef"] == redis_secret, f"{component}: the password Redis requires"
+        values = {e["name"]: e.get("value") for e in ctr["env"]}
+        assert values["REDIS_USERNAME"] == redis_acl.username(component), f"{component}: its own Redis user"
+        assert refs["REDIS_PASSWORD"]["secretKeyRef"] == {"name": role_secret[component], "key": "password"}, \
+            f"{component}: its own role's password, and no other"
+        others = {n for n, r in refs.items() if "secretKeyRef" in r and r["secretKeyRef"]["name"].startswith(
+            "handoff-redis-") and r["secretKeyRef"]["name"] != role_secret[component]}
+        assert not others, f"{component} reads another role's Redis password: {others}"
         assert refs["REDIS_URL"]["configMapKeyRef"] == {"name": config["metadata"]["name"], "key": "redis-url"}
         for name in ("HANDOFF_PORT", "HANDOFF_MODEL", "HANDOFF_METRICS_PORT"):
             assert refs[name]["configMapKeyRef"]["name"] == config["metadata"]["name"], f"{component}: {name}"
     secrets = of_kind(objs, "Secret")
     if overlay in ("gpu", OWN):
-        assert not secrets, f"the {overlay} overlay ships no password: the operator supplies the Secret"
+        assert not secrets, f"the {overlay} overlay ships no password: the operator supplies the Secrets"
     else:
-        assert [s["metadata"]["name"] for s in secrets] == [redis_secret["name"]]
+        assert sorted(s["metadata"]["name"] for s in secrets if s["metadata"]["name"].startswith("handoff-redis")) \
+            == sorted(role_secret.values())
 
 
 def test_gpu_overlay_puts_each_worker_pool_on_its_own_gpu_nodes():
@@ -319,9 +355,10 @@ def file_from_secret(spec: dict, ctr: dict, path: str, secret_prefix: str) -> st
 
 @pytest.mark.parametrize("overlay", ["gpu", *COMPOSED])
 def test_tls_and_api_key_components(overlay):
-    """Every pool reads its certificate, key and CA as files of the Secret handoff-tls, names the
-    certificate it expects from the ConfigMap, and flags them on its command line; the router alone
-    reads API keys, as a file of the Secret handoff-api-keys."""
+    """Every pool reads its certificate, key and CA as files of its own role's Secret handoff-tls-<role>, and
+    mounts no other role's; names the certificate it expects from the ConfigMap, and flags them on its command
+    line; the router alone serves a public certificate (handoff-tls-public) and reads API keys, as a file of
+    the Secret handoff-api-keys."""
     objs = render(overlay)
     config = of_kind(objs, "ConfigMap")[0]
     for component in POOLS:
@@ -330,7 +367,17 @@ def test_tls_and_api_key_components(overlay):
         env = {e["name"]: e for e in ctr["env"]}
         assert tls_on(ctr), f"{component}: TLS on"
         for name, key in TLS_FILES.items():
-            assert file_from_secret(spec, ctr, env[name]["value"], TLS_SECRET) == key, f"{component}: {name}"
+            assert file_from_secret(spec, ctr, env[name]["value"], f"{TLS_SECRET}-{component}") == key, \
+                f"{component}: {name}"
+        tls_secrets = {re.sub(r"-[a-z0-9]{10}$", "", secret) for secret, _ in secret_mounts(spec, ctr).values()
+                       if secret.startswith(TLS_SECRET)}  # without a generator's hash suffix
+        public = {f"{TLS_SECRET}-public"} if component == "router" else set()
+        assert tls_secrets == {f"{TLS_SECRET}-{component}"} | public, f"{component} mounts {tls_secrets}"
+        if component == "router":
+            for name, key in (("HANDOFF_PUBLIC_TLS_CERT", "tls.crt"), ("HANDOFF_PUBLIC_TLS_KEY", "tls.key")):
+                assert file_from_secret(spec, ctr, env[name]["value"], f"{TLS_SECRET}-public") == key
+            assert {"--public-tls-cert=$(HANDOFF_PUBLIC_TLS_CERT)", "--public-tls-key=$(HANDOFF_PUBLIC_TLS_KEY)"} \
+                <= set(ctr["args"])
         server_name = env["HANDOFF_TLS_SERVER_NAME"]["valueFrom"]["configMapKeyRef"]
         assert server_name["name"] == config["metadata"]["name"] and config["data"][server_name["key"]], component
         flags = {"--tls-cert=$(HANDOFF_TLS_CERT)", "--tls-key=$(HANDOFF_TLS_KEY)", "--tls-ca=$(HANDOFF_TLS_CA)",
@@ -358,3 +405,26 @@ def test_cpu_overlay_stays_plaintext():
     for component in POOLS:
         ctr = container(one(render("cpu"), "Deployment", component))
         assert not tls_on(ctr) and "health" not in {p["name"] for p in ctr["ports"]}, component
+
+
+def test_cert_manager_component_issues_each_role_its_identity(tmp_path):
+    """components/cert-manager writes exactly the Secrets components/tls mounts, each certificate naming its
+    role as the code expects (common/pki.py): the SPIFFE ID of the overlay's namespace, and <role>.<name> of
+    the ConfigMap's tls-server-name; the operator's identity too (mounted nowhere), and the public one."""
+    from common import pki
+
+    objs = kustomize_build(compose(tmp_path, "cpu", ("tls", "cert-manager", "api-keys")))
+    certs = {c["spec"]["secretName"]: c["spec"] for c in of_kind(objs, "Certificate")}
+    name = of_kind(objs, "ConfigMap")[0]["data"]["tls-server-name"]
+    for role in pki.ROLES:
+        spec = certs[f"{TLS_SECRET}-{role}"]
+        namespace = one(objs, "Deployment", "router")["metadata"]["namespace"]
+        assert spec["uris"] == [pki.spiffe_id(namespace, role)] and spec["dnsNames"] == [pki.server_name(role, name)]
+        assert {"server auth", "client auth"} <= set(spec["usages"]), role
+        assert spec["privateKey"]["rotationPolicy"] == "Always" and spec["issuerRef"]["name"] == "handoff-ca"
+    mounted = {re.sub(r"-[a-z0-9]{10}$", "", secret) for component in POOLS
+               for secret, _ in secret_mounts(pod_spec(one(objs, "Deployment", component)),
+                                              container(one(objs, "Deployment", component))).values()
+               if secret.startswith(TLS_SECRET)}
+    assert mounted == set(certs) - {f"{TLS_SECRET}-operator", "handoff-ca"}, mounted
+    assert "handoff-router" in certs[f"{TLS_SECRET}-public"]["dnsNames"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from common.engine.sampling import MAX_SEED
 from common.redis_server import EmbeddedRedis, connect
@@ -105,7 +106,9 @@ def test_models_health_and_metrics(cluster, client):
     health = raw(cluster, "GET", "/health", headers={"Authorization": ""})
     assert health.status_code == 200, "health needs no key (probes carry none)"
     client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
-    body = raw(cluster, "GET", "/metrics", headers={"Authorization": ""}).text
+    assert raw(cluster, "GET", "/metrics", headers={"Authorization": ""}).status_code == 404, \
+        "metrics are on --metrics-port, never on the public port"
+    body = generate_latest(REGISTRY).decode()
     assert 'handoff_router_http_responses_total{route="/v1/completions",status="200"}' in body
     assert "handoff_router_ttft_seconds_count" in body and "handoff_router_requests_total" in body
 

@@ -39,7 +39,7 @@ def wait_published(cluster, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     for w in cluster.prefill:
         held = {h.hex() for h in w.engine.cached_chunk_hashes()}
-        key = f"{cluster.state.prefix}prefixes:{w.config.worker_id}"
+        key = f"{cluster.state.prefix}prefixes:prefill:{w.config.worker_id}"
         while not held <= cluster.state.client.smembers(key):
             assert time.monotonic() < deadline, f"{w.config.worker_id} did not publish its {len(held)} prefixes"
             time.sleep(0.02)
@@ -68,7 +68,7 @@ def test_a_prompt_goes_to_the_prefill_worker_that_holds_its_prefix(cluster):
             assert int(record["cached_tokens"]) >= chunk and int(record["cached_tokens"]) % chunk == 0
             assert msgs[-1].prompt_tokens > int(record["cached_tokens"])
     for w in cluster.prefill:
-        published = cluster.state.client.smembers(f"{cluster.state.prefix}prefixes:{w.config.worker_id}")
+        published = cluster.state.client.smembers(f"{cluster.state.prefix}prefixes:prefill:{w.config.worker_id}")
         assert published, f"{w.config.worker_id} published no prefixes"
 
 

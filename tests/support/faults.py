@@ -27,12 +27,18 @@ class Spec:
     kind: str  # "greedy" | "sampled"
     max_tokens: int = MAX_TOKENS
     stop_token_ids: tuple[int, ...] = ()
+    # A JSON schema the completion is constrained to (structured output): it then ends where the schema is met,
+    # with EOS, rather than running to max_tokens.
+    json_schema: str = ""
 
     def request(self, rid: str) -> handoff_pb2.GenerateRequest:
         sampling = (dict(temperature=0.0) if self.kind == "greedy" else
                     dict(temperature=1.0, top_p=0.95, seed=1000 + ANIMALS.index(self.name.split("-")[-1])))
-        return handoff_pb2.GenerateRequest(prompt=self.prompt, max_tokens=self.max_tokens, ignore_eos=True,
-                                           request_id=rid, stop_token_ids=list(self.stop_token_ids), **sampling)
+        if self.json_schema:
+            sampling["structured_output"] = handoff_pb2.StructuredOutput(json_schema=self.json_schema)
+        return handoff_pb2.GenerateRequest(prompt=self.prompt, max_tokens=self.max_tokens,
+                                           ignore_eos=not self.json_schema, request_id=rid,
+                                           stop_token_ids=list(self.stop_token_ids), **sampling)
 
 
 SPECS = [Spec(f"{kind}-{a}", f"The story of a {a} who", kind) for kind in ("greedy", "sampled") for a in ANIMALS]

@@ -38,7 +38,7 @@ def test_a_peer_restarted_at_the_same_address_is_reached_through_a_fresh_channel
     try:
         with cache.use(address, "epoch-2") as ch:
             assert _check(ch) == health_pb2.HealthCheckResponse.SERVING
-        assert list(cache._channels) == [(address, "epoch-2")]  # the old epoch's idle channel is closed
+        assert list(cache._channels) == [(address, "epoch-2", 0)]  # old epoch closed (0: TLS generation)
     finally:
         second.stop(None).wait()
         cache.close()

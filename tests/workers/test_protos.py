@@ -50,11 +50,16 @@ def test_stubs_import_and_expose_the_services():
 # The field names other modules code against; renaming one breaks them, so it must fail here first.
 CONTRACT = {
     "handoff": {
-        "ChatMessage": ["role", "content"],
+        "ChatMessage": ["role", "content", "tool_calls", "tool_call_id"],
+        "Tool": ["name", "description", "parameters_json"],
+        "ToolCall": ["id", "name", "arguments_json"],
         "GenerateRequest": ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                             "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
                             "stop_token_ids", "request_id", "ignore_eos", "logprobs", "top_logprobs",
-                            "prompt_token_ids"],
+                            "prompt_token_ids", "structured_output", "tools", "tool_choice", "tool_name",
+                            "parallel_tool_calls"],
+        "StructuredOutput": ["json_schema", "json_object", "regex", "choice", "grammar"],
+        "Choices": ["choices"],
         "TokenLogprob": ["token_id", "logprob", "top_logprobs"],
         "TopLogprob": ["token_id", "logprob"],
         "GenerateResponse": ["text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
@@ -63,14 +68,14 @@ CONTRACT = {
     "internal": {
         "SamplingParams": ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                            "frequency_penalty", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
-                           "logprobs"],
+                           "logprobs", "structured_output"],
         "KVTarget": ["worker_id", "kv_address", "epoch", "reservation_id", "attempt"],
         "PrefillRequest": ["request_id", "prompt_ids", "sampling", "target", "output_ids"],
         "FirstToken": ["token_id", "queue_s", "prefill_s", "cached_tokens", "finished", "logprob"],
         "TransferDone": ["kv_bytes", "num_chunks", "transfer_s", "skipped_tokens", "exposed_s", "num_segments"],
         "PrefillEvent": ["first_token", "transfer_done"],
         "DecodeRequest": ["request_id", "epoch", "prompt_ids", "sampling", "kv_wait_s", "output_ids", "attempt",
-                          "prefill_here"],
+                          "prefill_here", "traceparent"],
         "DecodeEvent": ["token_ids", "finish_reason", "kv_wait_s", "decode_s", "logprobs"],
         "SessionRequest": ["start", "cancel"],
         "SessionCancel": ["request_id", "attempt"],
@@ -102,7 +107,8 @@ def test_sampling_fields_distinguish_unset_from_zero():
     request = handoff_pb2.GenerateRequest.DESCRIPTOR
     optional = {f.name for f in request.fields if f.has_presence}
     assert optional == {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty", "seed", "top_logprobs"}
+                        "presence_penalty", "frequency_penalty", "seed", "top_logprobs",
+                        "structured_output"}  # a message field: set or not
     req = handoff_pb2.GenerateRequest(prompt="hi", temperature=0.0)
     assert req.HasField("temperature") and not req.HasField("top_p")
     assert internal_pb2.PrefillEvent(first_token=internal_pb2.FirstToken()).WhichOneof("event") == "first_token"

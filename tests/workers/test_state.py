@@ -198,7 +198,12 @@ def test_reserve_refuses_wrong_epoch_missing_worker_and_prefill(store):
     store.register(prefill_worker(), ttl_s=10)
     assert store.reserve("d0", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.EPOCH_MISMATCH
     assert store.reserve("d9", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.WORKER_GONE
-    assert store.reserve("p0", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.NOT_DECODE
+    # A prefill worker's id names no decode worker: its registration is under its own role.
+    assert store.reserve("p0", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.WORKER_GONE
+    # An entry under decode that says it is something else is no decode worker either.
+    store.client.hset(f"{store.prefix}worker:decode:p1", mapping={"epoch": "e1", "role": "prefill", "total_blocks": 9})
+    assert store.reserve("p1", "e1", "r1", 1, ttl_s=10).reason == ReserveReason.NOT_DECODE
+    assert store.get_worker("p1") is None and "p1" not in {w.worker_id for w in store.list_workers()}
     assert store.reservations("d0") == {}
     with pytest.raises(ValueError):
         store.reserve("d0", "e2", "r1", 0, ttl_s=10)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from common.engine.tokenizer.errors import TokenizerError
 # <|end_of_text|>), ChatML (<|im_end|>), Phi-3 (<|end|>), Gemma (<end_of_turn>), and the ends of text that
 # Qwen, SmolLM and Llama-2 / Mistral use. A model that has one should stop on it by default even when its eos
 # is another token: llama.cpp's end-of-generation list, which matches on these same texts, does the same.
+# SentencePiece's byte-fallback pieces: one raw byte each.
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
 _END_OF_TURN_PIECES = frozenset({"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>",
                                  "<end_of_turn>", "<|endoftext|>", "</s>"})
 
@@ -46,6 +50,7 @@ class Tokenizer(abc.ABC):
         self.special_ids = special_ids
         self.add_bos = add_bos and bos_id is not None
         self.add_eos = add_eos
+        self._added_ids = added_ids
         self.stop_ids = frozenset({eos_id, *end_of_turn_ids} | {
             i for i in special_ids | added_ids if self.id_to_piece(i) in _END_OF_TURN_PIECES})
         # What transformers passes a template: the named special tokens the tokenizer has, as text.
@@ -65,10 +70,12 @@ class Tokenizer(abc.ABC):
             ids.append(self.eos_id)
         return ids
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, object]] | None = None) -> str:
         """The prompt text for a conversation, rendered with the model's own jinja template as transformers
-        renders it; TokenizerError with the template's message when the template rejects the conversation."""
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        renders it (tools as transformers passes them: OpenAI's {"type": "function", "function": {...}});
+        TokenizerError with the template's message when the template rejects the conversation."""
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     @abc.abstractmethod
     def _encode_text(self, text: str) -> list[int]:
@@ -81,6 +88,20 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary entry of one id, as the tokenizer spells it ("Ġthe", "▁the", "<|im_end|>")."""
+
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes as it adds them to the text (a grammar engine matches tokens by these): the
+        SentencePiece spelling by default ("▁the" is b" the", "<0x0A>" is b"\\n"); special and added tokens
+        their text. A byte-level BPE overrides it. Computed once per call: callers keep the list."""
+        added = self.special_ids | self._added_ids
+        out = []
+        for i in range(self.vocab_size):
+            piece = self.id_to_piece(i)
+            if i not in added and _BYTE_PIECE.fullmatch(piece):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append((piece if i in added else piece.replace("\u2581", " ")).encode())
+        return out
 
 
 class StreamDecoder:

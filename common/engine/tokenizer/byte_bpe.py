@@ -2,6 +2,7 @@
 tokenizer.json builds it, and any tokenizer.json as it stands."""
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -183,3 +184,33 @@ class ByteBPETokenizer(Tokenizer):
 
     def id_to_piece(self, token_id: int) -> str:
         return self._backend.id_to_token(token_id)
+
+    def token_bytes(self) -> list[bytes]:
+        """Byte-level pieces spell each byte as one printable character (GPT-2's table): map them back.
+        A tokenizer.json of another kind (SentencePiece-style BPE with byte fallback) spells them as
+        SentencePiece does."""
+        if '"ByteLevel"' not in json.dumps(json.loads(self._backend.to_str()).get("decoder")):
+            return super().token_bytes()
+        byte_of = {c: b for b, c in _gpt2_byte_chars().items()}
+        added = self.special_ids | self._added_ids
+        out = []
+        for i in range(self.vocab_size):
+            piece = self.id_to_piece(i) or ""
+            if i in added or any(c not in byte_of for c in piece):
+                out.append(piece.encode())  # an added token is matched as its text
+            else:
+                out.append(bytes(byte_of[c] for c in piece))
+        return out
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (bytes_to_unicode in its encoder.py)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return table

@@ -40,14 +40,21 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TokenizerError(f"{origin}: the chat template does not compile ({e})") from e
 
-    def render(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders a `tools` list (one that never names it would drop them silently)."""
+        return "tools" in self.source
+
+    def render(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, object]] | None = None) -> str:
         """The prompt text; TokenizerError carrying the template's own message when it rejects the messages
         (Gemma's "System role not supported", a Llama template's "Conversation roles must alternate")."""
         try:
             return self._template.render(
                 # transformers drops None-valued keys: templates test for a key, not for a None in it.
                 messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
-                tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                tools=list(tools) if tools else None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             # TypeError / ValueError: a template that adds a string to a missing value, or calls a filter badly.
             raise TokenizerError(f"the chat template rejected the messages: {e}") from e
