@@ -34,9 +34,10 @@ from enum import StrEnum
 import redis
 
 
-# Every process reaps dead routers with each heartbeat (0.5 s): a longer gap since anyone did means Redis
-# was out of reach for everyone, and the routers' registrations do not run down for what of the gap is more
-# than this (a router's registration TTL, 3 s, is longer than it).
+# Every router (and, without Redis ACLs, every worker) reaps dead routers with each heartbeat (0.5 s): a
+# longer gap since anyone did means Redis was out of reach for everyone (or no router was running), and the
+# routers' registrations do not run down for what of the gap is more than this (a router's registration
+# TTL, 3 s, is longer than it).
 REAP_MAX_GAP_S = 1.0
 
 
@@ -389,8 +390,9 @@ end
 """
 
 # ARGV: prefix, failed state, record ttl_ms, max_gap_ms. Every router whose registration expired is ended.
-# Every live worker and router reaps with each heartbeat, so a longer gap than max_gap_ms since the last
-# reap means nobody reached Redis meanwhile (it was down, or unreachable), and no router could heartbeat:
+# Every live router (and worker, without ACLs) reaps with each heartbeat, so a longer gap than max_gap_ms
+# since the last reap means no router reached Redis meanwhile (it was down, or unreachable), so none could
+# heartbeat either:
 # that time is not counted against their registrations, which are pushed back by it. Without this the
 # first process back after an outage longer than a router's TTL reaped every live router.
 # Returns {router_id, number of requests ended, ...}.
