@@ -13,6 +13,7 @@ import grpc
 from protos import handoff_pb2, handoff_pb2_grpc
 from router.cluster import Cluster
 from router.config import RouterConfig
+from tests.support.cluster import stream_in_background
 
 LEASE_TTL_S = 3.0  # the least the router allows (its heartbeat TTL): a lease is lost 3 s after its worker left
 
@@ -31,19 +32,8 @@ def test_a_drain_lets_a_stream_longer_than_the_lease_ttl_finish_where_it_runs():
         pool_tokens = d.engine.pool.num_blocks * d.engine.pool.block_size - 64
         max_tokens = int(min(pool_tokens, max(400, rate * 6 * LEASE_TTL_S)))
         rid = f"drained-{time.monotonic_ns()}"
-        got: dict = {"ids": [], "times": []}
-
-        def stream() -> None:
-            try:
-                for msg in stub.Generate(handoff_pb2.GenerateRequest(max_tokens=max_tokens, request_id=rid, **request),
-                                         timeout=300):
-                    got["ids"] += msg.token_ids
-                    got["times"].append(time.monotonic())
-            except grpc.RpcError as exc:
-                got["error"] = (exc.code(), exc.details())
-
-        client = threading.Thread(target=stream)
-        client.start()
+        got, client = stream_in_background(
+            stub, handoff_pb2.GenerateRequest(max_tokens=max_tokens, request_id=rid, **request))
         deadline = time.monotonic() + 60
         while len(got["ids"]) < 8:
             assert time.monotonic() < deadline and client.is_alive(), got.get("error")

@@ -11,7 +11,6 @@ reconnects do. (A Redis paused by SIGSTOP does not show it: the heartbeats sent 
 the client, still run when it resumes, before anyone's reaping.)"""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import replace
 
@@ -22,7 +21,7 @@ from common.state import StateStore
 from protos import handoff_pb2, handoff_pb2_grpc
 from router.cluster import Cluster
 from router.server import RouterServer
-from tests.support.cluster import wait_idle
+from tests.support.cluster import stream_in_background, wait_idle
 from tests.support.tcp_proxy import CutProxy
 
 OUTAGE_S = 5.0  # longer than the router's heartbeat TTL
@@ -49,19 +48,8 @@ def test_an_outage_longer_than_the_router_ttl_reaps_no_live_router():
         # Streams through the outage and well past it.
         max_tokens = int(min(pool_tokens, max(400, rate * 3 * (OUTAGE_S + ROUTER_LATE_S))))
         rid = f"outage-{time.monotonic_ns()}"
-        got: dict = {"ids": [], "times": []}
-
-        def stream() -> None:
-            try:
-                for msg in stub.Generate(handoff_pb2.GenerateRequest(max_tokens=max_tokens, request_id=rid, **request),
-                                         timeout=300):
-                    got["ids"] += msg.token_ids
-                    got["times"].append(time.monotonic())
-            except grpc.RpcError as exc:
-                got["error"] = (exc.code(), exc.details())
-
-        reader = threading.Thread(target=stream)
-        reader.start()
+        got, reader = stream_in_background(
+            stub, handoff_pb2.GenerateRequest(max_tokens=max_tokens, request_id=rid, **request))
         deadline = time.monotonic() + 60
         while len(got["ids"]) < 8 or state.get_request(rid)["state"] != "decoding":
             assert time.monotonic() < deadline and reader.is_alive(), got.get("error")

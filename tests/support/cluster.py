@@ -1,7 +1,12 @@
-"""An in-process cluster at rest: every pool free, nothing parked, no lease left."""
+"""An in-process cluster at rest (every pool free, nothing parked, no lease left), and a stream read on a thread."""
 from __future__ import annotations
 
+import threading
 import time
+
+import grpc
+
+from protos import handoff_pb2
 
 def wait_idle(cluster, timeout_s: float = 15.0) -> None:
     """An in-process cluster at rest: every pool all-free and consistent, no KV parked, no sequence
@@ -30,3 +35,22 @@ def wait_idle(cluster, timeout_s: float = 15.0) -> None:
                 raise
             time.sleep(0.1)
 
+
+
+def stream_in_background(stub, request: handoff_pb2.GenerateRequest,
+                         timeout_s: float = 300) -> tuple[dict, threading.Thread]:
+    """A Generate call read on a thread of its own (started): got["ids"] and got["times"] grow as tokens
+    arrive (their arrival times, time.monotonic()), got["error"] = (code, details) if it fails."""
+    got: dict = {"ids": [], "times": []}
+
+    def stream() -> None:
+        try:
+            for msg in stub.Generate(request, timeout=timeout_s):
+                got["ids"] += msg.token_ids
+                got["times"].append(time.monotonic())
+        except grpc.RpcError as exc:
+            got["error"] = (exc.code(), exc.details())
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return got, thread
